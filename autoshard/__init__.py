@@ -1,0 +1,46 @@
+"""autoshard: compile a single-device PyTorch model into a distributed training program.
+
+program = autoshard.compile(model, autoshard.Mesh(dp=4), example_inputs=(input_ids,), optimizer=...)
+loss = program.step(program.local_batch(input_ids), target=...)
+"""
+
+from autoshard.compiler import compile
+from autoshard.cost import LayerCost, ModelCost
+from autoshard.errors import (
+    AutoshardError,
+    CaptureError,
+    DistributedError,
+    InputError,
+    MeshError,
+    MissingMetaError,
+    PlanError,
+)
+from autoshard.mesh import Mesh
+from autoshard.placements import Partial, Replicate, Shard
+from autoshard.plan import Plan
+from autoshard.planner import DeviceSpec, PlanReport
+from autoshard.program import Program, RankProgram
+
+__all__ = [
+    "AutoshardError",
+    "CaptureError",
+    "DeviceSpec",
+    "DistributedError",
+    "InputError",
+    "LayerCost",
+    "Mesh",
+    "MeshError",
+    "MissingMetaError",
+    "ModelCost",
+    "Partial",
+    "Plan",
+    "PlanError",
+    "PlanReport",
+    "Program",
+    "RankProgram",
+    "Replicate",
+    "Shard",
+    "compile",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""compile(): model + mesh + example inputs -> capture -> analyze -> plan -> transform -> Program."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard import passes
+from autoshard.capture import capture
+from autoshard.cost import summarize
+from autoshard.errors import InputError, MeshError, PlanError
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan
+from autoshard.planner import DeviceSpec, choose_plan
+from autoshard.program import Program
+
+__all__ = ["compile"]
+
+log = logging.getLogger("autoshard")
+
+
+def _resolve_mesh(mesh: Any) -> int | Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        if mesh < 1:
+            raise MeshError(f"mesh={mesh} is not a positive world size; pass the number of ranks or a Mesh")
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return Mesh.from_device_mesh(mesh)
+    raise InputError(
+        f"mesh must be an autoshard.Mesh, a torch DeviceMesh, or an int world size, got {type(mesh).__name__}"
+    )
+
+
+def _resolve_plan(plan: Any) -> dict[str, Any]:
+    if isinstance(plan, str) and plan == "auto":
+        return {}
+    if isinstance(plan, Plan):
+        return dataclasses.asdict(plan)
+    if isinstance(plan, dict):
+        Plan.check_overrides(plan)
+        return dict(plan)
+    raise PlanError(f'plan must be "auto", an autoshard.Plan, or a dict of Plan fields, got {plan!r}')
+
+
+def _check_batch(batch: int, dp: int) -> None:
+    if batch % dp:
+        raise InputError(
+            f"the example global batch of {batch} rows is not divisible by dp={dp}; "
+            f"use a global batch that is a multiple of {dp}"
+        )
+
+
+def compile(  # noqa: A001 - the public name of the compiler entry point
+    model: nn.Module,
+    mesh: Mesh | int | Any,
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    plan: str | Plan | dict[str, Any] = "auto",
+    *,
+    example_target: Any = None,
+    device: DeviceSpec | None = None,
+) -> Program:
+    """Compile ``model`` into this rank's distributed training program.
+
+    example_inputs (and example_kwargs, example_target) are one global batch. Works offline (no
+    process group) for inspection; under a process group the mesh must match the world size.
+    """
+    resolved = _resolve_mesh(mesh)
+    overrides = _resolve_plan(plan)
+    if optimizer is not None and not callable(optimizer):
+        raise InputError(
+            f"optimizer must be a callable(params) -> torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            f"e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if isinstance(resolved, Mesh):
+            resolved.check_world_size(world)
+        elif resolved != world:
+            raise MeshError(f"mesh={resolved} ranks != world size {world}; pass mesh={world} or launch {resolved}")
+    if isinstance(resolved, Mesh) and isinstance(example_inputs, (tuple, list, torch.Tensor)):
+        first = example_inputs if isinstance(example_inputs, torch.Tensor) else next(iter(example_inputs), None)
+        if isinstance(first, torch.Tensor) and first.dim() >= 1:
+            _check_batch(first.shape[0], resolved.dp)
+
+    captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
+    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(captured.gm.graph.nodes))
+    results = passes.analyze(captured.gm, captured.rename)
+    cost = summarize(captured.gm)
+    report = choose_plan(resolved, overrides, cost, captured.example_sizes, device or DeviceSpec())
+    chosen = report.winner
+    chosen.check_implemented()
+    _check_batch(captured.example_sizes["B"], chosen.dp)
+    results.append(passes.grad_buckets.run(captured.gm, chosen.bucket_bytes))
+    passes.check_graph(captured.gm)
+    log.info("plan %s: %s", chosen, report.reason)
+    return Program(
+        captured=captured,
+        model=model,
+        plan=chosen,
+        report=report,
+        cost=cost,
+        optimizer_factory=optimizer,
+        analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
+    )

@@ -1,0 +1,145 @@
+"""Local ranks: a pool of worker processes that form one real gloo process group, reused across calls.
+
+Starting processes and a process group takes seconds; the demo, the benchmarks and the test suite
+start a pool once and send it many functions:
+
+    with LocalRanks(4) as ranks:
+        results = ranks.run(fn, arg)     # fn(rank, world_size, arg) on every rank; list of results by rank
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["LocalRanks", "RankFailure"]
+
+
+class RankFailure(RuntimeError):
+    """A function raised on one or more ranks; the message carries each rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, inbox: Any, outbox: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
+    outbox.put(("ready", rank, None))
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            outbox.put(("ok", rank, fn(rank, world_size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - sent back to the caller with the traceback
+            outbox.put(("error", rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class LocalRanks:
+    """``world_size`` local processes in one gloo process group, kept alive between ``run`` calls."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", threads: int = 1, timeout: float = 600.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.threads = threads
+        self.timeout = timeout
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._outbox: Any = None
+
+    def start(self) -> LocalRanks:
+        if self._procs:
+            return self
+        port = _free_port()
+        self._outbox = self._ctx.Queue()
+        for rank in range(self.world_size):
+            inbox = self._ctx.Queue()
+            proc = self._ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self.backend, self.threads, inbox, self._outbox),
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+            self._inboxes.append(inbox)
+        self._collect("ready")
+        return self
+
+    def _collect(self, expect: str) -> list[Any]:
+        import queue
+
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world_size:
+            try:
+                kind, rank, payload = self._outbox.get(timeout=self.timeout if not errors else 30)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self.close(force=True)
+                waiting = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise RankFailure(
+                    f"ranks {waiting} did not answer (dead: {dead}); the pool was shut down{detail}"
+                ) from None
+            if kind == "error":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+        if errors:
+            if len(errors) < self.world_size:
+                # The ranks that succeeded may have issued collectives the failed ones never matched.
+                self.close(force=True)
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankFailure(f"{len(errors)} rank(s) failed:{detail}")
+        return [results[r] for r in range(self.world_size)] if expect != "ready" else []
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
+        self.start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect("ok")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            for proc in self._procs:
+                proc.join(timeout=10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._inboxes = [], []
+
+    def __enter__(self) -> LocalRanks:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""The device mesh: how ranks are arranged along the pp, dp and tp dimensions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.errors import MeshError
+
+__all__ = ["MESH_DIMS", "Mesh"]
+
+# Outer to inner: tp ranks are neighbours (they talk most, so they share the fastest links),
+# then dp, then pp (Megatron's ordering).
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def _check_degree(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshError(
+            f"mesh degree {name}={value!r} is not a positive integer; "
+            f"give every degree as an int >= 1, e.g. Mesh(dp=2, tp=1, pp=1)"
+        )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A 3-D arrangement of ranks: ``size == dp * tp * pp``.
+
+    Rank numbering puts tp innermost: ``rank = (pp_index * dp + dp_index) * tp + tp_index``.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            _check_degree(name, getattr(self, name))
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def degree(self, dim: str) -> int:
+        if dim not in MESH_DIMS:
+            raise MeshError(f"unknown mesh dimension {dim!r}; the dimensions are {MESH_DIMS}")
+        return getattr(self, dim)
+
+    def product_str(self) -> str:
+        return f"dp({self.dp}) x tp({self.tp}) x pp({self.pp}) = {self.size}"
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.size != world_size:
+            raise MeshError(
+                f"mesh {self.product_str()} != world size {world_size}; "
+                f"choose degrees whose product is {world_size}, or launch {self.size} ranks "
+                f"(torchrun --nproc-per-node {self.size})"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise MeshError(f"rank {rank!r} is outside this mesh of {self.size} ranks (0..{self.size - 1})")
+        tp_index = rank % self.tp
+        dp_index = (rank // self.tp) % self.dp
+        pp_index = rank // (self.tp * self.dp)
+        return {"pp": pp_index, "dp": dp_index, "tp": tp_index}
+
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        for name, index in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not 0 <= index < self.degree(name):
+                raise MeshError(f"{name} index {index} is outside 0..{self.degree(name) - 1}")
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group(self, dim: str, rank: int) -> list[int]:
+        """The ranks that share every coordinate with ``rank`` except ``dim``, in order."""
+        here = self.coords(rank)
+        return [self.rank_of(**{**here, dim: i}) for i in range(self.degree(dim))]
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``: one list of ranks per combination of the other coordinates."""
+        seen: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.size):
+            group = self.group(dim, rank)
+            seen.setdefault(tuple(group), group)
+        return list(seen.values())
+
+    def table(self) -> str:
+        """A rank-by-rank table of coordinates, for people."""
+        lines = ["rank  pp  dp  tp"]
+        for rank in range(self.size):
+            c = self.coords(rank)
+            lines.append(f"{rank:>4}  {c['pp']:>2}  {c['dp']:>2}  {c['tp']:>2}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}; {self.size} ranks)"
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: Any) -> Mesh:
+        """Build a Mesh from a ``torch.distributed.device_mesh.DeviceMesh``.
+
+        Dimension names must be among ``dp``, ``tp`` and ``pp``; an unnamed 1-D mesh is data parallel.
+        """
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        ndim = device_mesh.ndim
+        if names is None:
+            if ndim != 1:
+                raise MeshError(
+                    f"a {ndim}-D DeviceMesh needs mesh_dim_names from {MESH_DIMS} so autoshard knows "
+                    f"which dimension is which; pass mesh_dim_names=(...) to init_device_mesh"
+                )
+            names = ("dp",)
+        degrees: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if name not in MESH_DIMS:
+                raise MeshError(
+                    f"DeviceMesh dimension {name!r} is not one of {MESH_DIMS}; rename it when creating the mesh"
+                )
+            if name in degrees:
+                raise MeshError(f"DeviceMesh names dimension {name!r} twice")
+            degrees[name] = int(device_mesh.size(i))
+        return cls(**degrees)

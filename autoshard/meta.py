@@ -1,0 +1,139 @@
+"""The node.meta contract: namespaced keys, frozen records, and accessors that fail loudly.
+
+Analysis passes write these keys; later passes and the runtime read them only through the
+accessors below, which say which pass to run when a key is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard.errors import MissingMetaError
+
+__all__ = [
+    "COST",
+    "GRAD_BUCKET",
+    "LAYER",
+    "SHAPE",
+    "GradBucketSlot",
+    "NodeCost",
+    "NodeShape",
+    "TensorShape",
+    "evaluate_expr",
+    "get_cost",
+    "get_grad_bucket",
+    "get_layer",
+    "get_shape",
+]
+
+SHAPE = "autoshard.shape"  # written by passes.shape_prop
+LAYER = "autoshard.layer"  # written by passes.layer_assign
+COST = "autoshard.cost"  # written by passes.cost_model
+GRAD_BUCKET = "autoshard.grad_bucket"  # written by passes.grad_buckets
+
+
+def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
+    """Evaluate a size expression for concrete symbol values (``{"B": 8, "S": 128}``)."""
+    expr = sympy.sympify(expr)
+    free = {s.name for s in expr.free_symbols}
+    missing = sorted(free - set(sizes))
+    if missing:
+        raise ValueError(f"cannot evaluate {expr}: give a value for {', '.join(missing)}")
+    return int(expr.subs({s: sizes[s.name] for s in expr.free_symbols}))
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """Shape (sympy expressions in the batch and sequence symbols), dtype and gradient flag of a tensor."""
+
+    sizes: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.sizes) if self.sizes else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * _itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(s) for s in self.sizes)
+        return f"{str(self.dtype).removeprefix('torch.')}[{dims}]{'*' if self.requires_grad else ''}"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """What a node produces: its tensor outputs (flattened; None for non-tensor leaves), or a size."""
+
+    tensors: tuple[TensorShape | None, ...] = ()
+    scalar: sympy.Expr | None = None
+
+    @property
+    def tensor(self) -> TensorShape:
+        if len(self.tensors) != 1 or self.tensors[0] is None:
+            raise ValueError(f"expected exactly one tensor output, found {self}")
+        return self.tensors[0]
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return sympy.Add(*(t.nbytes for t in self.tensors if t is not None))
+
+    def __str__(self) -> str:
+        if self.scalar is not None:
+            return f"size {self.scalar}"
+        return ", ".join(str(t) for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Costs of one node; FLOPs count matrix-multiply class work (mm, linear, attention, conv)."""
+
+    flops_fwd: sympy.Expr
+    flops_bwd: sympy.Expr
+    param_bytes: int
+    activation_bytes: sympy.Expr
+
+
+@dataclass(frozen=True)
+class GradBucketSlot:
+    """Where a parameter's gradient lives in the data-parallel gradient buckets."""
+
+    bucket: int
+    offset: int
+    numel: int
+
+
+def _require(node: fx.Node, key: str, pass_name: str) -> Any:
+    try:
+        return node.meta[key]
+    except KeyError:
+        raise MissingMetaError(
+            f"node {node.format_node()} has no {key!r}; run passes.{pass_name} on this graph first"
+        ) from None
+
+
+def get_shape(node: fx.Node) -> NodeShape:
+    return _require(node, SHAPE, "shape_prop")
+
+
+def get_layer(node: fx.Node) -> str:
+    return _require(node, LAYER, "layer_assign")
+
+
+def get_cost(node: fx.Node) -> NodeCost:
+    return _require(node, COST, "cost_model")
+
+
+def get_grad_bucket(node: fx.Node) -> GradBucketSlot:
+    return _require(node, GRAD_BUCKET, "grad_buckets")

@@ -1,0 +1,101 @@
+"""The plan: which parallel strategy each mesh dimension runs, as a frozen, printable record."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.errors import PlanError
+from autoshard.mesh import Mesh
+
+__all__ = ["SCHEDULES", "Plan"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"plan field {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Degrees and options of one distributed training program.
+
+    dp, tp, pp        data, tensor and pipeline parallel degrees; their product is the world size
+    zero              ZeRO stage over the dp group (0: plain data parallel)
+    offload           keep optimizer state and its update on the CPU
+    schedule          pipeline schedule, one of SCHEDULES (used when pp > 1)
+    microbatches      microbatches per step (pipeline)
+    bucket_mb         size of a data-parallel gradient bucket in MiB
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatches"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"plan field zero={self.zero!r} must be one of 0, 1, 2, 3")
+        if not isinstance(self.offload, bool):
+            raise PlanError(f"plan field offload={self.offload!r} must be True or False")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan field schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
+            raise PlanError(f"plan field bucket_mb={self.bucket_mb!r} must be a positive number of MiB")
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    def not_implemented(self) -> list[str]:
+        """What this plan asks for that this version of autoshard cannot run yet."""
+        missing = []
+        if self.tp > 1:
+            missing.append(f"tensor parallelism (tp={self.tp})")
+        if self.pp > 1:
+            missing.append(f"pipeline parallelism (pp={self.pp})")
+        if self.zero > 0:
+            missing.append(f"ZeRO stage {self.zero}")
+        if self.offload:
+            missing.append("optimizer offload")
+        return missing
+
+    def check_implemented(self) -> None:
+        missing = self.not_implemented()
+        if missing:
+            raise PlanError(
+                f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
+                f"it implements data parallelism: use tp=1, pp=1, zero=0, offload=False"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def check_overrides(cls, overrides: dict[str, Any]) -> None:
+        unknown = sorted(set(overrides) - set(cls.field_names()))
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {unknown}; the fields are {list(cls.field_names())}")
+
+    def __str__(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.offload:
+            parts.append("offload")
+        if self.pp > 1:
+            parts += [f"schedule={self.schedule}", f"microbatches={self.microbatches}"]
+        parts.append(f"bucket={self.bucket_mb:g}MiB")
+        return "Plan(" + ", ".join(parts) + ")"

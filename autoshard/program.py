@@ -1,0 +1,332 @@
+"""Program: what compile() returns, this rank's share of the distributed training program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autoshard.capture import Captured
+from autoshard.cost import ModelCost
+from autoshard.errors import DistributedError, InputError
+from autoshard.mesh import MESH_DIMS
+from autoshard.meta import get_grad_bucket
+from autoshard.placements import Placement, Replicate
+from autoshard.plan import Plan
+from autoshard.planner import PlanReport
+from autoshard.runtime.grad_sync import BucketedGradSync
+
+__all__ = ["Program", "RankProgram"]
+
+MODEL_PREFIX = "model."
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """One rank's view of the program: its coordinates, graphs and parameter placements."""
+
+    rank: int
+    coords: dict[str, int]
+    graph_modules: tuple[fx.GraphModule, ...]
+    placements: dict[str, dict[str, Placement]]
+
+    def graph_code(self) -> str:
+        return "\n".join(gm.code for gm in self.graph_modules)
+
+    def __str__(self) -> str:
+        coords = ", ".join(f"{d}={self.coords[d]}" for d in MESH_DIMS)
+        lines = [f"rank {self.rank} ({coords}): {len(self.graph_modules)} graph(s)"]
+        for name, per_dim in self.placements.items():
+            lines.append(f"  {name:<48} " + " ".join(f"{d}:{per_dim[d]}" for d in MESH_DIMS))
+        return "\n".join(lines)
+
+
+def _fmt_count(value: int) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return str(value)
+
+
+def _forward_only(gm: fx.GraphModule, n_inputs: int) -> fx.GraphModule:
+    """The training graph minus the loss: inputs -> model outputs (target inputs dropped when unused)."""
+    graph = fx.Graph()
+    outputs = graph.graph_copy(gm.graph, {})
+    graph.output(tuple(outputs[1:]))
+    graph.eliminate_dead_code()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders[n_inputs:]:
+        if node.users:
+            raise InputError("the model's outputs depend on the target; forward-only calls are not possible")
+        graph.erase_node(node)
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name="ForwardGraph")
+
+
+class Program:
+    """This rank's compiled training program. Build one with ``autoshard.compile``."""
+
+    def __init__(
+        self,
+        *,
+        captured: Captured,
+        model: torch.nn.Module,
+        plan: Plan,
+        report: PlanReport,
+        cost: ModelCost,
+        optimizer_factory: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+        analysis_log: list[str],
+    ) -> None:
+        self.plan = plan
+        self.mesh = plan.mesh
+        self.report = report
+        self.cost = cost
+        self.analysis_log = analysis_log
+        self._captured = captured
+        self._call = captured.call
+        self._train_gm = captured.gm
+        self._forward_gm: fx.GraphModule | None = None
+        self._optimizer_factory = optimizer_factory
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._grad_sync: BucketedGradSync | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        # Keys and tensors of the original model's state dict; the graph shares these tensors.
+        self._state = dict(model.state_dict(keep_vars=True))
+        self._params = self._unique_parameters()
+        if self._distributed and not self.is_meta:
+            self._dp_group = self._make_dp_group()
+            self._broadcast_from_first_dp_rank()
+
+    # ---- inspection -------------------------------------------------------------------------
+    @property
+    def graph_modules(self) -> list[fx.GraphModule]:
+        """This rank's rewritten graph(s)."""
+        return [self._train_gm]
+
+    @property
+    def is_meta(self) -> bool:
+        return any(p.is_meta for p in self._params.values())
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._optimizer
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        yield from self._params.items()
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        yield from self._params.values()
+
+    def for_rank(self, rank: int) -> RankProgram:
+        """Rank ``rank``'s graphs and placements; works offline for any mesh size."""
+        coords = self.mesh.coords(rank)
+        placements = {name: {d: Replicate() for d in MESH_DIMS} for name in self._params}
+        return RankProgram(rank=rank, coords=coords, graph_modules=tuple(self.graph_modules), placements=placements)
+
+    def explain(self) -> str:
+        sizes = self.report.sizes
+        size_str = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        chosen = self.report.chosen
+        ev = self.cost.evaluate(**sizes)
+        lines = [
+            f"autoshard program for {self._captured.model_name} on {self.mesh}",
+            f"plan: {self.plan}",
+            f"why:  {self.report.reason}",
+            f"predicted per rank at the example global batch ({size_str}) on a {self.report.device.name}: "
+            f"{chosen.memory_bytes / 2**30:.3f} GiB, {chosen.step_seconds * 1e3:.3f} ms per step",
+            "",
+            "candidates:",
+            self.report.table(),
+            "",
+            f"whole model: forward {self.cost.flops_fwd} FLOPs = {_fmt_count(int(ev.flops_fwd))}, "
+            f"backward {self.cost.flops_bwd} = {_fmt_count(int(ev.flops_bwd))}",
+            f"             parameters {_fmt_count(self.cost.param_bytes)}B, "
+            f"activations {self.cost.activation_bytes} B = {_fmt_count(int(ev.activation_bytes))}B",
+            "",
+            f"{'layer':<28} {'forward FLOPs':<34} {'at ' + size_str:>14} {'params':>9} {'activations':>12}",
+        ]
+        for lc, lv in zip(self.cost.layers, ev.layers):
+            expr = str(lc.flops_fwd)
+            expr = expr if len(expr) <= 34 else expr[:31] + "..."
+            lines.append(
+                f"{lc.name:<28} {expr:<34} {_fmt_count(int(lv.flops_fwd)):>14} "
+                f"{_fmt_count(lc.param_bytes) + 'B':>9} {_fmt_count(int(lv.activation_bytes)) + 'B':>12}"
+            )
+        if self.mesh.size <= 16:
+            lines += ["", "mesh:", self.mesh.table()]
+        lines += ["", "passes:"] + [f"  {line}" for line in self.analysis_log]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<autoshard.Program {self.plan} rank={self.rank} of {self.mesh}>"
+
+    # ---- running ------------------------------------------------------------------------------
+    def local_batch(self, global_tensor: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's rows of a global batch (contiguous slices in dp-rank order)."""
+        if not isinstance(global_tensor, torch.Tensor) or global_tensor.dim() == 0:
+            raise InputError(f"local_batch takes a tensor with a batch dimension, got {type(global_tensor).__name__}")
+        rows, dp = global_tensor.shape[0], self.plan.dp
+        if rows % dp:
+            raise InputError(
+                f"a batch of {rows} rows is not divisible by dp={dp}; use a global batch that is a multiple of {dp}"
+            )
+        index = self.mesh.coords(self.rank)["dp"]
+        per = rows // dp
+        return global_tensor[index * per : (index + 1) * per]
+
+    def step(self, *inputs: torch.Tensor, target: Any = None, **kwargs: torch.Tensor) -> float:
+        """Forward, backward, gradient sync and optimizer step on this rank's local batch.
+
+        Returns the global mean loss (the mean of the dp ranks' local mean losses), equal on every rank.
+        """
+        self._check_runnable("step()")
+        optimizer = self._ensure_optimizer()
+        flat = self._call.flatten_inputs(inputs, kwargs) + self._call.flatten_target(target)
+        sync = self._ensure_grad_sync()
+        sync.prepare()
+        loss = self._train_gm(*flat)[0]
+        loss_sum = loss.detach().float().clone()
+        work = None
+        if self.plan.dp > 1:
+            # Launched before the gradient buckets, so every rank issues collectives in one order.
+            work = dist.all_reduce(loss_sum, group=self._dp_group, async_op=True)
+        loss.backward()
+        sync.finish()
+        optimizer.step()
+        if work is not None:
+            work.wait()
+        return loss_sum.item() / self.plan.dp
+
+    def __call__(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> Any:
+        """Forward only: the model's outputs for this rank's local inputs (non-tensor outputs are None)."""
+        self._check_runnable("a forward call")
+        if self._forward_gm is None:
+            self._forward_gm = _forward_only(self._train_gm, self._call.n_inputs)
+        outputs = self._forward_gm(*self._call.flatten_inputs(inputs, kwargs))
+        return self._call.unflatten_outputs(list(outputs))
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under the original model's keys (with data parallel: everything)."""
+        return {key: tensor.detach() for key, tensor in self._state_tensors().items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """On rank 0 (or offline): the original model's keys and full shapes; elsewhere an empty dict."""
+        if self._distributed and self.rank != 0:
+            return {}
+        return {key: tensor.detach().clone() for key, tensor in self._state_tensors().items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        tensors = self._state_tensors()
+        missing = sorted(set(tensors) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(tensors))
+        if missing or unexpected:
+            raise InputError(f"state dict keys do not match the model: missing {missing}, unexpected {unexpected}")
+        for key, tensor in tensors.items():
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(tensor.shape)} here")
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                tensor.copy_(state_dict[key])
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, original in self._state.items():
+            try:
+                out[key] = reduce(getattr, (MODEL_PREFIX + key).split("."), self._train_gm)
+            except AttributeError:
+                out[key] = original  # not used by the graph: it never changes
+        return out
+
+    def _unique_parameters(self) -> dict[str, torch.nn.Parameter]:
+        params: dict[str, torch.nn.Parameter] = {}
+        seen: set[int] = set()
+        for name, param in self._train_gm.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            params[name.removeprefix(MODEL_PREFIX)] = param
+        return params
+
+    def _check_runnable(self, what: str) -> None:
+        if self.is_meta:
+            raise DistributedError(
+                f"{what} needs real parameters, but the model is on the meta device: this program is for "
+                f"planning and inspection; build the model on a real device and compile again to train"
+            )
+        if not self._distributed and self.mesh.size > 1:
+            raise DistributedError(
+                f"{what} needs a process group of {self.mesh.size} ranks, but none is initialized: this program "
+                f"was compiled offline for inspection; call torch.distributed.init_process_group() before "
+                f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
+            )
+
+    def _ensure_optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            if self._optimizer_factory is None:
+                raise InputError(
+                    "step() needs an optimizer: compile(..., optimizer=lambda params: "
+                    "torch.optim.AdamW(params, lr=1e-3))"
+                )
+            self._optimizer = self._optimizer_factory(self.parameters())
+            if not isinstance(self._optimizer, torch.optim.Optimizer):
+                raise InputError(
+                    f"optimizer(params) must return a torch.optim.Optimizer, got {type(self._optimizer).__name__}"
+                )
+        return self._optimizer
+
+    def _ensure_grad_sync(self) -> BucketedGradSync:
+        if self._grad_sync is None:
+            slots, seen = [], set()
+            for node in self._train_gm.graph.nodes:
+                if node.op != "get_attr" or "autoshard.grad_bucket" not in node.meta:
+                    continue
+                param = self._train_gm.get_parameter(node.target)
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                slot = get_grad_bucket(node)
+                slots.append((param, slot.bucket, slot.offset, slot.numel))
+            self._grad_sync = BucketedGradSync(slots, self._dp_group, self.plan.dp)
+        return self._grad_sync
+
+    def _make_dp_group(self) -> dist.ProcessGroup | None:
+        if self.mesh.dp == dist.get_world_size():
+            return None  # the default group
+        mine = None
+        for ranks in self.mesh.groups("dp"):  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _broadcast_from_first_dp_rank(self) -> None:
+        """Start every dp replica from identical parameters and buffers, as DDP does."""
+        if self.plan.dp == 1:
+            return
+        src = self.mesh.group("dp", self.rank)[0]
+        tensors, seen = [], set()
+        for tensor in self._state_tensors().values():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+        with torch.no_grad():
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                dist.broadcast(flat, src=src, group=self._dp_group)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()

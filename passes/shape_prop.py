@@ -1,0 +1,88 @@
+"""Symbolic shapes: every value's sizes as sympy expressions in the batch (B) and sequence (S) symbols.
+
+Reads:  node.meta["val"] (the FakeTensor / SymInt values torch.export records on every node)
+Writes: autoshard.shape (meta.NodeShape) on every node but the output
+
+torch.export names its symbols after their sources (``s72``); ``rename`` maps them to the names
+people read (``B``, ``S``). A tensor requires grad when it is a trainable parameter or is computed
+from one; this decides which backward work the cost model counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sympy
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autoshard.meta import SHAPE, NodeShape, TensorShape, get_shape
+
+from .infra import PassResult
+
+__all__ = ["READS", "WRITES", "run", "to_expr"]
+
+READS = ("val",)
+WRITES = (SHAPE,)
+
+
+def to_expr(size: int | torch.SymInt, rename: Mapping[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
+    if isinstance(size, torch.SymInt):
+        return sympy.sympify(size.node.expr).xreplace(dict(rename))
+    return sympy.Integer(int(size))
+
+
+def _inputs_require_grad(node: fx.Node) -> bool:
+    for arg in node.all_input_nodes:
+        shape = get_shape(arg)
+        if any(t is not None and t.requires_grad for t in shape.tensors):
+            return True
+    return False
+
+
+def _param_requires_grad(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        return gm.get_parameter(target).requires_grad
+    except AttributeError:
+        return False  # a buffer or constant
+
+
+def run(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> PassResult:
+    rename = dict(rename or {})
+    symbols: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if "val" not in node.meta:
+            raise ValueError(
+                f"node {node.format_node()} has no 'val' meta: shape_prop reads the values torch.export "
+                f"records; capture the model with autoshard.capture first"
+            )
+        val = node.meta["val"]
+        if node.op == "get_attr":
+            grad_in = _param_requires_grad(gm, node.target)
+        elif node.op == "placeholder":
+            grad_in = False
+        else:
+            grad_in = _inputs_require_grad(node)
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            shape = NodeShape(scalar=to_expr(val, rename))
+        else:
+            leaves = pytree.tree_leaves(val)
+            tensors = tuple(
+                TensorShape(
+                    sizes=tuple(to_expr(s, rename) for s in leaf.shape),
+                    dtype=leaf.dtype,
+                    requires_grad=grad_in and (leaf.dtype.is_floating_point or leaf.dtype.is_complex),
+                )
+                if isinstance(leaf, torch.Tensor)
+                else None
+                for leaf in leaves
+            )
+            shape = NodeShape(tensors=tensors)
+        for t in shape.tensors:
+            if t is not None:
+                symbols.update(str(s) for size in t.sizes for s in size.free_symbols)
+        node.meta[SHAPE] = shape
+    return PassResult("shape_prop", False, f"shapes in symbols {sorted(symbols) or 'none (all static)'}")

@@ -1,0 +1,159 @@
+"""Model families, deterministic batches, and the functions real ranks run in the equivalence tests.
+
+Everything here is importable by the spawned worker processes (tests/ is on their sys.path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+
+GLOBAL_BATCH = 8
+SEQ = 12
+VOCAB = 64
+FAMILIES = ("mlp", "gpt2", "llama", "bert")
+
+
+@dataclass
+class Batch:
+    inputs: tuple[torch.Tensor, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None
+
+
+@dataclass
+class Case:
+    model: nn.Module
+    batches: list[Batch]
+    loss_fn: Any = None
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 4)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+def cross_entropy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, target)
+
+
+def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
+    torch.manual_seed(seed)
+    if family == "mlp":
+        return MLP(tuple(shape.get("sizes", (16, 32, 32, 4))))
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
+            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(cfg)
+    if family == "bert":
+        cfg = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0,
+        )  # fmt: skip
+        return transformers.BertForMaskedLM(cfg)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def build_case(family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_BATCH, **shape: Any) -> Case:
+    model = build_model(family, seed, **shape)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        if family == "mlp":
+            width = model.layers[0].in_features
+            classes = model.layers[-1].out_features
+            x = torch.randn(batch, width, generator=gen)
+            y = torch.randint(0, classes, (batch,), generator=gen)
+            batches.append(Batch(inputs=(x,), target=y))
+        else:
+            ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
+            kwargs: dict[str, Any] = {"labels": ids.clone()}
+            if family in ("gpt2", "llama"):
+                kwargs["use_cache"] = False
+            batches.append(Batch(inputs=(ids,), kwargs=kwargs))
+    return Case(model=model, batches=batches, loss_fn=cross_entropy if family == "mlp" else None)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _loss(case: Case, batch: Batch) -> torch.Tensor:
+    out = case.model(*batch.inputs, **batch.kwargs)
+    return case.loss_fn(out, batch.target) if case.loss_fn is not None else out.loss
+
+
+def train_single_device(family: str, steps: int = 3, **shape: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: eager single-device training on the global batch."""
+    case = build_case(family, steps, **shape)
+    case.model.train()
+    opt = adamw(case.model.parameters())
+    losses = []
+    for batch in case.batches:
+        opt.zero_grad()
+        loss = _loss(case, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+
+
+def _tensor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+
+
+def compile_case(case: Case, mesh: Any, plan: Any = "auto") -> autoshard.Program:
+    first = case.batches[0]
+    return autoshard.compile(
+        case.model,
+        mesh,
+        example_inputs=first.inputs,
+        example_kwargs=first.kwargs,
+        loss_fn=case.loss_fn,
+        optimizer=adamw,
+        plan=plan,
+        example_target=first.target,
+    )
+
+
+def train_distributed(
+    rank: int, world_size: int, family: str, mesh: dict[str, int], steps: int = 3, **shape: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One rank of the distributed run: compile for the mesh, train on local batches."""
+    case = build_case(family, steps, **shape)
+    program = compile_case(case, autoshard.Mesh(**mesh))
+    losses = []
+    for batch in case.batches:
+        local = program.local_batch
+        inputs = tuple(local(x) for x in batch.inputs)
+        kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
+        target = None if batch.target is None else local(batch.target)
+        losses.append(program.step(*inputs, target=target, **kwargs))
+    return losses, program.full_state_dict()
