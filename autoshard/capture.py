@@ -61,7 +61,7 @@ class CallSpec:
         flat = list(args) + [kwargs[k] for k in self.tensor_kwargs]
         for i, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
-                raise InputError(f"input {i} is a {type(t).__name__}, expected a torch.Tensor")
+                raise InputError(f"input {i} is of type {type(t).__name__}, expected a torch.Tensor")
         return flat
 
     def flatten_target(self, target: Any) -> list[torch.Tensor]:
@@ -134,10 +134,20 @@ class _ModelWithLoss(nn.Module):
             target = pytree.tree_unflatten(list(flat[call.n_inputs :]), call.target_spec)
             loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.dtype.is_floating_point:
+            got = (
+                f"a {loss.dim()}-d {str(loss.dtype).removeprefix('torch.')} tensor"
+                if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}"
+            )
+            if self.loss_fn is None:
+                raise InputError(
+                    f"loss_fn is None, so the model's output is taken as the loss, but it is {got}, not a "
+                    f"floating-point scalar; return the loss from the model, or pass loss_fn=callable(outputs, "
+                    f"target) and example_target=..."
+                )
             raise InputError(
-                f"the loss must be a floating-point scalar tensor, got "
-                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
-                f"reduce it with .mean() or .sum() in loss_fn"
+                f"the loss must be a floating-point scalar tensor, got {got}; reduce it with .mean() or .sum() "
+                f"in loss_fn"
             )
         leaves, spec = pytree.tree_flatten(out)
         self.record(output_spec=spec, output_is_tensor=tuple(isinstance(x, torch.Tensor) for x in leaves))
@@ -155,7 +165,7 @@ def _normalize_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             raise InputError(
-                f"example_inputs[{i}] is a {type(x).__name__}, expected a torch.Tensor; pass non-tensor "
+                f"example_inputs[{i}] is of type {type(x).__name__}, expected a torch.Tensor; pass non-tensor "
                 f"arguments as example_kwargs (they are baked into the graph as constants)"
             )
     return tuple(example_inputs)
@@ -174,7 +184,7 @@ def _split_kwargs(example_kwargs: Any) -> tuple[dict[str, torch.Tensor], dict[st
             constants[key] = value
         else:
             raise InputError(
-                f"example_kwargs[{key!r}] is a {type(value).__name__}; keyword inputs must be tensors or "
+                f"example_kwargs[{key!r}] is of type {type(value).__name__}; keyword inputs must be tensors or "
                 f"constants (None, bool, int, float, str)"
             )
     return tensors, constants
@@ -210,7 +220,8 @@ def _autoshard_error_in_chain(err: BaseException) -> AutoshardError | None:
 
 def _dynamic_shapes(flat: list[torch.Tensor], batch: int, seq: int | None) -> tuple[Any, ...]:
     batch_dim = Dim("B", min=2, max=_MAX_DIM)
-    seq_dim = Dim("S", min=2, max=_MAX_DIM) if seq is not None else None
+    # The sequence may be bounded (position tables) or even fixed by the model: let export infer it.
+    seq_dim = Dim.AUTO if seq is not None else None
     specs = []
     for t in flat:
         spec: dict[int, Any] = {}
@@ -254,7 +265,7 @@ def capture(
     target_leaves, target_spec = ([], None) if loss_fn is None else pytree.tree_flatten(example_target)
     for leaf in target_leaves:
         if not isinstance(leaf, torch.Tensor):
-            raise InputError(f"example_target must hold tensors only, found a {type(leaf).__name__}")
+            raise InputError(f"example_target must hold tensors only, found one of type {type(leaf).__name__}")
 
     call = CallSpec(
         n_args=len(args),
@@ -270,6 +281,9 @@ def capture(
         # torch.export specializes size-1 dims; capture on two copies of the sample instead.
         flat = [torch.cat([t, t]) if t.dim() >= 1 and t.shape[0] == 1 else t for t in flat]
         batch = 2
+    if any(p.is_meta for p in model.parameters()):
+        # Planning without weights: inputs follow the model onto the meta device.
+        flat = [t.to("meta") for t in flat]
     first = flat[0]
     seq = first.shape[1] if first.dim() >= 2 and not first.dtype.is_floating_point and first.shape[1] >= 2 else None
 
@@ -315,12 +329,12 @@ def capture(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = _dynamic_shapes(flat, batch, seq)[0]
     for node, spec in zip(placeholders, specs):
-        for dim, dim_obj in (spec or {}).items():
+        for dim in spec or {}:
             size = node.meta["val"].shape[dim]
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                rename[size.node.expr] = sympy.Symbol(dim_obj.__name__, integer=True, positive=True)
+                rename[size.node.expr] = sympy.Symbol("B" if dim == 0 else "S", integer=True, positive=True)
     example_sizes = {"B": int(args[0].shape[0])}
-    if seq is not None:
+    if seq is not None and any(sym.name == "S" for sym in rename.values()):
         example_sizes["S"] = int(seq)
     call = CallSpec(
         n_args=call.n_args,

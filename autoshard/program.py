@@ -127,7 +127,8 @@ class Program:
     def for_rank(self, rank: int) -> RankProgram:
         """Rank ``rank``'s graphs and placements; works offline for any mesh size."""
         coords = self.mesh.coords(rank)
-        placements = {name: {d: Replicate() for d in MESH_DIMS} for name in self._params}
+        names = [n.removeprefix(MODEL_PREFIX) for n, _ in self._train_gm.named_parameters(remove_duplicate=False)]
+        placements = {name: {d: Replicate() for d in MESH_DIMS} for name in names}
         return RankProgram(rank=rank, coords=coords, graph_modules=tuple(self.graph_modules), placements=placements)
 
     def explain(self) -> str:

@@ -157,3 +157,59 @@ def train_distributed(
         target = None if batch.target is None else local(batch.target)
         losses.append(program.step(*inputs, target=target, **kwargs))
     return losses, program.full_state_dict()
+
+
+def error_message(rank: int, world_size: int, family: str, mesh: Any) -> str:
+    """Compile under a real process group and return the error message (or '' when none)."""
+    case = build_case(family)
+    try:
+        compile_case(case, autoshard.Mesh(**mesh) if isinstance(mesh, dict) else mesh)
+    except autoshard.AutoshardError as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def overlap_probe(rank: int, world_size: int, family: str) -> dict[str, int]:
+    """Count the buckets launched while backward was still running, and the bytes all-reduced."""
+    case = build_case(family)
+    program = compile_case(case, autoshard.Mesh(dp=world_size), plan={"bucket_mb": 0.002})
+    batch = case.batches[0]
+    local = program.local_batch
+    kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
+    target = None if batch.target is None else local(batch.target)
+    sync = program._ensure_grad_sync()
+    seen: dict[str, int] = {}
+    finish = sync.finish
+
+    def finish_and_count() -> None:
+        seen["launched_during_backward"] = sum(b.work is not None for b in sync.buckets)
+        finish()
+
+    sync.finish = finish_and_count
+    program.step(*(local(x) for x in batch.inputs), target=target, **kwargs)
+    seen["buckets"] = len(sync.buckets)
+    seen["bytes_reduced"] = sync.bytes_reduced
+    seen["param_bytes"] = sum(p.numel() * p.element_size() for p in program.parameters())
+    return seen
+
+
+def device_mesh_probe(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    return str(autoshard.Mesh.from_device_mesh(device_mesh))
+
+
+def state_roundtrip(rank: int, world_size: int, family: str) -> bool:
+    """Train one step, load the starting state back, and check every rank holds it again."""
+    case = build_case(family)
+    program = compile_case(case, autoshard.Mesh(dp=world_size))
+    start = {k: v.clone() for k, v in program.state_dict().items()}
+    batch = case.batches[0]
+    local = program.local_batch
+    kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
+    program.step(*(local(x) for x in batch.inputs), **kwargs)
+    changed = any(not torch.equal(start[k], v) for k, v in program.state_dict().items())
+    program.load_state_dict(start)
+    restored = all(torch.equal(start[k], v) for k, v in program.state_dict().items())
+    return changed and restored

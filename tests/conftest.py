@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from autoshard.launch import LocalRanks
 
@@ -28,3 +29,8 @@ def ranks():
     pools = RankPools()
     yield pools
     pools.close()
+
+
+# Reproducible property tests in CI: the same examples every run, no per-example deadline.
+settings.register_profile("autoshard", derandomize=True, deadline=None, max_examples=25)
+settings.load_profile("autoshard")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import FAMILIES, train_distributed, train_single_device
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 RTOL = 1e-5
 # Absolute floor for parameters whose true gradient is zero (GPT-2's key bias: softmax ignores a
@@ -31,3 +33,16 @@ def test_dp_matches_single_device(ranks, family: str, dp: int) -> None:
     assert_state_close(state, ref_state)
     for _, other in results[1:]:
         assert other == {}  # full_state_dict is consolidated on rank 0 only
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    widths=st.lists(st.integers(1, 40), min_size=2, max_size=5),
+    dp=st.sampled_from([2, 4]),
+)
+def test_random_mlps_train_equivalently(ranks, widths: list[int], dp: int) -> None:
+    sizes = tuple(widths)
+    ref_losses, ref_state = train_single_device("mlp", sizes=sizes)
+    results = ranks(dp).run(train_distributed, "mlp", {"dp": dp}, sizes=sizes)
+    assert results[0][0] == pytest.approx(ref_losses, rel=RTOL)
+    assert_state_close(results[0][1], ref_state)

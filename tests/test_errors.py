@@ -1,0 +1,186 @@
+"""Bad input gets a clear error naming the problem and the fix, before any rank works (exact messages)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from cases import build_case
+from torch import nn
+
+import autoshard
+from autoshard import CaptureError, InputError, Mesh, MeshError
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return build_case("mlp")
+
+
+def compile_mlp(case, mesh=1, **kw):
+    batch = case.batches[0]
+    args = {"loss_fn": case.loss_fn, "example_target": batch.target, **kw}
+    inputs = args.pop("example_inputs", batch.inputs)
+    return autoshard.compile(case.model, mesh, inputs, **args)
+
+
+def test_non_positive_degree() -> None:
+    msg = "mesh degree dp=0 is not a positive integer; give every degree as an int >= 1, e.g. Mesh(dp=2, tp=1, pp=1)"
+    with pytest.raises(MeshError, match=re.escape(msg)):
+        Mesh(dp=0)
+
+
+def test_non_positive_int_mesh(mlp) -> None:
+    msg = "mesh=0 is not a positive world size; pass the number of ranks or a Mesh"
+    with pytest.raises(MeshError, match=re.escape(msg)):
+        compile_mlp(mlp, mesh=0)
+
+
+def test_batch_not_divisible_by_dp(mlp) -> None:
+    msg = "the example global batch of 8 rows is not divisible by dp=3; use a global batch that is a multiple of 3"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, mesh=Mesh(dp=3))
+
+
+def test_batch_not_divisible_by_the_planned_dp(mlp) -> None:
+    msg = "the example global batch of 8 rows is not divisible by dp=16; use a global batch that is a multiple of 16"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, mesh=16)
+
+
+def test_example_inputs_of_the_wrong_type(mlp) -> None:
+    msg = (
+        "example_inputs[0] is of type list, expected a torch.Tensor; pass non-tensor arguments as example_kwargs "
+        "(they are baked into the graph as constants)"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, example_inputs=([1.0, 2.0],))
+    msg = (
+        "example_inputs must be a non-empty tuple of tensors (one global batch), got dict; "
+        "e.g. example_inputs=(input_ids,)"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, example_inputs={"x": 1})
+
+
+def test_example_kwargs_of_the_wrong_type(mlp) -> None:
+    msg = (
+        "example_kwargs['mask'] is of type list; keyword inputs must be tensors or constants "
+        "(None, bool, int, float, str)"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, example_kwargs={"mask": [1, 0]})
+
+
+def test_optimizer_that_is_not_callable(mlp) -> None:
+    msg = (
+        "optimizer must be a callable(params) -> torch.optim.Optimizer, got str; "
+        "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, optimizer="adamw")
+
+
+def test_step_before_an_optimizer_was_given(mlp) -> None:
+    program = compile_mlp(mlp)
+    msg = "step() needs an optimizer: compile(..., optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        program.step(*mlp.batches[0].inputs, target=mlp.batches[0].target)
+
+
+def test_optimizer_factory_that_returns_something_else(mlp) -> None:
+    program = compile_mlp(mlp, optimizer=lambda params: list(params))
+    msg = "optimizer(params) must return a torch.optim.Optimizer, got list"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        program.step(*mlp.batches[0].inputs, target=mlp.batches[0].target)
+
+
+def test_loss_fn_without_example_target(mlp) -> None:
+    msg = "loss_fn needs an example target to capture the loss: pass example_target=..."
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, example_target=None)
+
+
+def test_loss_that_is_not_a_scalar(mlp) -> None:
+    msg = (
+        "the loss must be a floating-point scalar tensor, got a 2-d float32 tensor; "
+        "reduce it with .mean() or .sum() in loss_fn"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, loss_fn=lambda out, target: out)
+
+
+def test_model_that_returns_no_loss(mlp) -> None:
+    msg = (
+        "loss_fn is None, so the model's output is taken as the loss, but it is a 2-d float32 tensor, not a "
+        "floating-point scalar; return the loss from the model, or pass loss_fn=callable(outputs, target) and "
+        "example_target=..."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        autoshard.compile(mlp.model, 1, mlp.batches[0].inputs)
+    msg = (
+        "loss_fn is None, so the model must return the loss (a scalar tensor, an output with .loss, or a tuple "
+        "whose first element is the loss), but it returned dict"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        autoshard.compile(ReturnsDict(), 1, mlp.batches[0].inputs)
+
+
+class ReturnsDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": x}
+
+
+class DataDependentBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if y.sum() > 0:  # the line the error must point at
+            return y.mean()
+        return -y.mean()
+
+
+def test_model_that_cannot_be_captured() -> None:
+    with pytest.raises(CaptureError) as info:
+        autoshard.compile(DataDependentBranch(), 1, (torch.randn(4, 4),))
+    message = str(info.value)
+    first, where, hint = message.splitlines()
+    assert first.startswith(
+        "autoshard could not capture DataDependentBranch with torch.export (non-strict, batch dimension dynamic): "
+        "GuardOnDataDependentSymNode: "
+    )
+    assert where == (
+        f'  failing source: File "{__file__}", line {DataDependentBranch.forward.__code__.co_firstlineno + 2}, '
+        f"in forward: if y.sum() > 0:  # the line the error must point at"
+    )
+    assert hint == (
+        "  try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), pass constant "
+        "arguments through example_kwargs (e.g. use_cache=False for HF models), and check that the model runs "
+        "eagerly on example_inputs"
+    )
+
+
+def test_model_that_is_not_a_module() -> None:
+    msg = "model must be a torch.nn.Module, got function"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        autoshard.compile(lambda x: x, 1, (torch.randn(2, 2),))
+
+
+def test_mesh_of_the_wrong_type(mlp) -> None:
+    msg = "mesh must be an autoshard.Mesh, a torch DeviceMesh, or an int world size, got str"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        compile_mlp(mlp, mesh="dp=2")
+
+
+def test_step_inputs_that_do_not_match_the_compiled_call(mlp) -> None:
+    program = compile_mlp(mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    msg = "expected 1 positional input tensor(s) as at compile time, got 2"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        program.step(*mlp.batches[0].inputs, mlp.batches[0].inputs[0], target=mlp.batches[0].target)
+    msg = "this program computes loss_fn(outputs, target): pass step(..., target=...)"
+    with pytest.raises(InputError, match=re.escape(msg)):
+        program.step(*mlp.batches[0].inputs)

@@ -1,0 +1,80 @@
+"""Offline compile for virtual meshes of many ranks: plans and per-rank graphs, no process group (tier 2)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from cases import build_case
+
+import autoshard
+from autoshard import Mesh, Replicate
+
+
+@pytest.fixture(scope="module")
+def gpt2_case():
+    return build_case("gpt2", batch=256)
+
+
+def compile_gpt2(case, mesh, **kw):
+    batch = case.batches[0]
+    return autoshard.compile(case.model, mesh, batch.inputs, batch.kwargs, **kw)
+
+
+def test_256_rank_data_parallel_program_offline(gpt2_case) -> None:
+    program = compile_gpt2(gpt2_case, Mesh(dp=256))
+    assert program.plan == autoshard.Plan(dp=256)
+    view = program.for_rank(255)
+    assert view.coords == {"pp": 0, "dp": 255, "tp": 0}
+    assert view.placements["lm_head.weight"] == {"pp": Replicate(), "dp": Replicate(), "tp": Replicate()}
+    assert "aten.scaled_dot_product_attention" in view.graph_code()
+    assert str(view).startswith("rank 255 (pp=0, dp=255, tp=0): 1 graph(s)")
+    # Compile is deterministic: every rank's graph is the same code.
+    assert program.for_rank(0).graph_code() == view.graph_code()
+
+
+def test_offline_program_cannot_step(gpt2_case) -> None:
+    program = compile_gpt2(gpt2_case, Mesh(dp=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    ids = gpt2_case.batches[0].inputs[0]
+    msg = (
+        "step() needs a process group of 4 ranks, but none is initialized: this program was compiled offline "
+        "for inspection; call torch.distributed.init_process_group() before autoshard.compile "
+        "(e.g. under torchrun --nproc-per-node 4)"
+    )
+    with pytest.raises(autoshard.DistributedError, match=re.escape(msg)):
+        program.step(program.local_batch(ids), labels=program.local_batch(ids))
+
+
+def test_int_mesh_lets_the_planner_choose(gpt2_case) -> None:
+    program = compile_gpt2(gpt2_case, 16)
+    assert program.mesh == Mesh(dp=16)
+    report = program.report
+    shapes = {(c.plan.dp, c.plan.tp, c.plan.pp) for c in report.candidates}
+    assert (4, 4, 1) in shapes and (2, 2, 4) in shapes  # every factorization was considered
+    assert report.chosen.runnable and report.chosen.fits
+
+
+def test_mesh_of_unimplemented_strategies_says_so(gpt2_case) -> None:
+    msg = (
+        "Plan(dp=8, tp=8, pp=4, zero=0, schedule=1f1b, microbatches=1, bucket=25MiB) asks for "
+        "tensor parallelism (tp=8), pipeline parallelism (pp=4), which this version of autoshard does not "
+        "implement yet; it implements data parallelism: use tp=1, pp=1, zero=0, offload=False"
+    )
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        compile_gpt2(gpt2_case, Mesh(dp=8, tp=8, pp=4), plan={"zero": 0})
+
+
+def test_plan_that_contradicts_the_mesh(gpt2_case) -> None:
+    msg = "plan asks for dp=2 but the mesh has dp=4; drop dp from the plan or change the mesh"
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        compile_gpt2(gpt2_case, Mesh(dp=4), plan={"dp": 2})
+
+
+def test_local_batch_slices_in_dp_rank_order(gpt2_case) -> None:
+    program = compile_gpt2(gpt2_case, Mesh(dp=4))
+    x = torch.arange(8)
+    assert program.local_batch(x).tolist() == [0, 1]  # offline: rank 0
+    msg = "a batch of 6 rows is not divisible by dp=4; use a global batch that is a multiple of 4"
+    with pytest.raises(autoshard.InputError, match=re.escape(msg)):
+        program.local_batch(torch.arange(6))
