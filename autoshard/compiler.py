@@ -102,6 +102,9 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     chosen.check_implemented()
     _check_batch(captured.example_sizes["B"], chosen.dp)
     results.append(passes.grad_buckets.run(captured.gm, chosen.bucket_bytes))
+    if chosen.zero == 3:
+        results.append(passes.zero_groups.run(captured.gm))
+        results.append(passes.zero3_gather_free.run(captured.gm))
     passes.check_graph(captured.gm)
     log.info("plan %s: %s", chosen, report.reason)
     return Program(

@@ -20,21 +20,28 @@ __all__ = [
     "GRAD_BUCKET",
     "LAYER",
     "SHAPE",
-    "GradBucketSlot",
+    "ZERO3",
+    "ZERO_GROUP",
+    "FlatSlot",
     "NodeCost",
     "NodeShape",
     "TensorShape",
+    "Zero3Gather",
     "evaluate_expr",
     "get_cost",
     "get_grad_bucket",
     "get_layer",
     "get_shape",
+    "get_zero3_gather",
+    "get_zero_group",
 ]
 
 SHAPE = "autoshard.shape"  # written by passes.shape_prop
 LAYER = "autoshard.layer"  # written by passes.layer_assign
 COST = "autoshard.cost"  # written by passes.cost_model
 GRAD_BUCKET = "autoshard.grad_bucket"  # written by passes.grad_buckets
+ZERO_GROUP = "autoshard.zero_group"  # written by passes.zero_groups
+ZERO3 = "autoshard.zero3"  # written by passes.zero3_gather_free
 
 
 def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
@@ -106,12 +113,22 @@ class NodeCost:
 
 
 @dataclass(frozen=True)
-class GradBucketSlot:
-    """Where a parameter's gradient lives in the data-parallel gradient buckets."""
+class FlatSlot:
+    """Where a parameter lives in a flat group: gradient buckets (DP, ZeRO 1/2) or gather groups (ZeRO-3)."""
 
-    bucket: int
+    group: int
     offset: int
     numel: int
+
+
+@dataclass(frozen=True)
+class Zero3Gather:
+    """A ZeRO-3 gather node's group: its parameters (get_attr targets) in flat order."""
+
+    group: int
+    targets: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
 
 
 def _require(node: fx.Node, key: str, pass_name: str) -> Any:
@@ -135,5 +152,13 @@ def get_cost(node: fx.Node) -> NodeCost:
     return _require(node, COST, "cost_model")
 
 
-def get_grad_bucket(node: fx.Node) -> GradBucketSlot:
+def get_grad_bucket(node: fx.Node) -> FlatSlot:
     return _require(node, GRAD_BUCKET, "grad_buckets")
+
+
+def get_zero_group(node: fx.Node) -> FlatSlot:
+    return _require(node, ZERO_GROUP, "zero_groups")
+
+
+def get_zero3_gather(node: fx.Node) -> Zero3Gather:
+    return _require(node, ZERO3, "zero3_gather_free")

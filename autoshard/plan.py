@@ -29,6 +29,7 @@ class Plan:
     schedule          pipeline schedule, one of SCHEDULES (used when pp > 1)
     microbatches      microbatches per step (pipeline)
     bucket_mb         size of a data-parallel gradient bucket in MiB
+    max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
     """
 
     dp: int = 1
@@ -39,6 +40,7 @@ class Plan:
     schedule: str = "1f1b"
     microbatches: int = 1
     bucket_mb: float = 25.0
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches"):
@@ -51,6 +53,14 @@ class Plan:
             raise PlanError(f"plan field schedule={self.schedule!r} must be one of {SCHEDULES}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
             raise PlanError(f"plan field bucket_mb={self.bucket_mb!r} must be a positive number of MiB")
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, (int, float))
+            or self.max_grad_norm <= 0
+        ):
+            raise PlanError(f"plan field max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+        if self.offload and self.zero == 0:
+            raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
 
     @property
     def mesh(self) -> Mesh:
@@ -67,10 +77,6 @@ class Plan:
             missing.append(f"tensor parallelism (tp={self.tp})")
         if self.pp > 1:
             missing.append(f"pipeline parallelism (pp={self.pp})")
-        if self.zero > 0:
-            missing.append(f"ZeRO stage {self.zero}")
-        if self.offload:
-            missing.append("optimizer offload")
         return missing
 
     def check_implemented(self) -> None:
@@ -78,7 +84,7 @@ class Plan:
         if missing:
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
-                f"it implements data parallelism: use tp=1, pp=1, zero=0, offload=False"
+                f"it implements data parallelism and ZeRO: use tp=1, pp=1"
             )
 
     @classmethod
@@ -98,4 +104,6 @@ class Plan:
         if self.pp > 1:
             parts += [f"schedule={self.schedule}", f"microbatches={self.microbatches}"]
         parts.append(f"bucket={self.bucket_mb:g}MiB")
+        if self.max_grad_norm is not None:
+            parts.append(f"max_grad_norm={self.max_grad_norm:g}")
         return "Plan(" + ", ".join(parts) + ")"

@@ -15,11 +15,14 @@ from autoshard.capture import Captured
 from autoshard.cost import ModelCost
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
-from autoshard.meta import get_grad_bucket
-from autoshard.placements import Placement, Replicate
+from autoshard.meta import GRAD_BUCKET, ZERO3, get_zero3_gather
+from autoshard.passes import zero3_gather_free
+from autoshard.placements import Placement, Replicate, Shard
 from autoshard.plan import Plan
 from autoshard.planner import PlanReport
-from autoshard.runtime.grad_sync import BucketedGradSync
+from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.grad_sync import BucketedGradSync, DataParallelTrainer
+from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
 
 __all__ = ["Program", "RankProgram"]
 
@@ -92,17 +95,30 @@ class Program:
         self._train_gm = captured.gm
         self._forward_gm: fx.GraphModule | None = None
         self._optimizer_factory = optimizer_factory
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._grad_sync: BucketedGradSync | None = None
+        self._trainer: Any = None
+        self._zero3: Zero3Runtime | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
+        self.comm = CommCounter()
+        self.last_step_memory: dict[str, int] = {}
         # Keys and tensors of the original model's state dict; the graph shares these tensors.
         self._state = dict(model.state_dict(keep_vars=True))
         self._params = self._unique_parameters()
-        if self._distributed and not self.is_meta:
+        self._key_of: dict[int, str] = {}
+        for key, tensor in self._state.items():
+            self._key_of.setdefault(id(tensor), key)
+        if self.is_meta or (not self._distributed and self.mesh.size > 1):
+            return  # planning and inspection only
+        if self._distributed:
             self._dp_group = self._make_dp_group()
+            self.comm.group = self._dp_group
             self._broadcast_from_first_dp_rank()
+        if plan.zero == 3:
+            self._zero3 = Zero3Runtime(self._flat_layouts(ZERO3), self.comm)
+            self._train_gm.add_submodule(zero3_gather_free.RUNTIME_ATTR, self._zero3)
+        if optimizer_factory is not None:
+            self._ensure_trainer()  # now, so that a bad optimizer fails before any rank trains
 
     # ---- inspection -------------------------------------------------------------------------
     @property
@@ -116,19 +132,27 @@ class Program:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        return self._optimizer
+        if self._trainer is None:
+            return None
+        return self._trainer.optimizer if self.plan.zero == 0 else self._trainer.shard_opt.optimizer
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        yield from self._params.items()
+        """This rank's trainable tensors: the model's parameters, or with ZeRO-3 its flat shards."""
+        if self._zero3 is not None:
+            yield from ((f"zero3.shards.{g}", s) for g, s in enumerate(self._zero3.shards))
+        else:
+            yield from self._params.items()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
-        yield from self._params.values()
+        yield from (p for _, p in self.named_parameters())
 
     def for_rank(self, rank: int) -> RankProgram:
         """Rank ``rank``'s graphs and placements; works offline for any mesh size."""
         coords = self.mesh.coords(rank)
         names = [n.removeprefix(MODEL_PREFIX) for n, _ in self._train_gm.named_parameters(remove_duplicate=False)]
-        placements = {name: {d: Replicate() for d in MESH_DIMS} for name in names}
+        # ZeRO-3 shards each parameter's flat group along the dp dimension.
+        dp_placement = Shard(0) if self.plan.zero == 3 else Replicate()
+        placements = {name: {"pp": Replicate(), "dp": dp_placement, "tp": Replicate()} for name in names}
         return RankProgram(rank=rank, coords=coords, graph_modules=tuple(self.graph_modules), placements=placements)
 
     def explain(self) -> str:
@@ -188,10 +212,9 @@ class Program:
         Returns the global mean loss (the mean of the dp ranks' local mean losses), equal on every rank.
         """
         self._check_runnable("step()")
-        optimizer = self._ensure_optimizer()
+        trainer = self._ensure_trainer()
         flat = self._call.flatten_inputs(inputs, kwargs) + self._call.flatten_target(target)
-        sync = self._ensure_grad_sync()
-        sync.prepare()
+        trainer.prepare()
         loss = self._train_gm(*flat)[0]
         loss_sum = loss.detach().float().clone()
         work = None
@@ -199,8 +222,9 @@ class Program:
             # Launched before the gradient buckets, so every rank issues collectives in one order.
             work = dist.all_reduce(loss_sum, group=self._dp_group, async_op=True)
         loss.backward()
-        sync.finish()
-        optimizer.step()
+        trainer.finish()
+        self.last_step_memory = trainer.memory()
+        trainer.step(self.plan.max_grad_norm)
         if work is not None:
             work.wait()
         return loss_sum.item() / self.plan.dp
@@ -215,30 +239,66 @@ class Program:
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors under the original model's keys (with data parallel: everything)."""
+        """This rank's tensors: the model's keys (with ZeRO-3: its flat shards, then the buffers)."""
+        if self._zero3 is not None:
+            shards = {f"zero3.shards.{g}": s.detach() for g, s in enumerate(self._zero3.shards)}
+            return shards | {k: t.detach() for k, t in self._state_tensors().items() if not self._is_param(t)}
         return {key: tensor.detach() for key, tensor in self._state_tensors().items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """On rank 0 (or offline): the original model's keys and full shapes; elsewhere an empty dict."""
+        """On rank 0 (or offline): the original model's keys and full shapes; elsewhere an empty dict.
+
+        With ZeRO-3 this gathers the shards: call it on every rank.
+        """
+        gathered: dict[int, torch.Tensor] = {}
+        if self._zero3 is not None:
+            for layout, tensors in zip(self._zero3.layouts, self._zero3.full_parameters()):
+                gathered.update({id(p): t for p, t in zip(layout.params, tensors)})
         if self._distributed and self.rank != 0:
             return {}
-        return {key: tensor.detach().clone() for key, tensor in self._state_tensors().items()}
+        return {
+            key: gathered[id(tensor)] if id(tensor) in gathered else tensor.detach().clone()
+            for key, tensor in self._state_tensors().items()
+        }
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (the original model's keys); every rank keeps its share."""
         tensors = self._state_tensors()
         missing = sorted(set(tensors) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(tensors))
         if missing or unexpected:
             raise InputError(f"state dict keys do not match the model: missing {missing}, unexpected {unexpected}")
+        sharded = {id(p) for layout in self._zero3.layouts for p in layout.params} if self._zero3 else set()
         for key, tensor in tensors.items():
             value = state_dict[key]
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(tensor.shape)} here")
+            shape = self._zero3_shape(tensor) if id(tensor) in sharded else tensor.shape
+            if tuple(value.shape) != tuple(shape):
+                raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} here")
         with torch.no_grad():
             for key, tensor in tensors.items():
-                tensor.copy_(state_dict[key])
+                if id(tensor) not in sharded:
+                    tensor.copy_(state_dict[key])
+            if self._zero3 is not None:
+                for layout, shard in zip(self._zero3.layouts, self._zero3.shards):
+                    full = torch.zeros(layout.padded, dtype=shard.dtype, device=shard.device)
+                    for param, offset in zip(layout.params, layout.offsets):
+                        value = state_dict[self._key_of[id(param)]]
+                        full[offset : offset + value.numel()].copy_(value.reshape(-1))
+                    shard.copy_(full[layout.lo : layout.lo + layout.shard_numel])
+        if self._trainer is not None and self.plan.zero > 0:
+            self._trainer.shard_opt.reload_masters()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _is_param(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, torch.nn.Parameter)
+
+    def _zero3_shape(self, param: torch.Tensor) -> torch.Size:
+        for layout in self._zero3.layouts:
+            for p, shape in zip(layout.params, layout.shapes):
+                if p is param:
+                    return shape
+        raise KeyError(self._key_of[id(param)])
+
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for key, original in self._state.items():
@@ -252,7 +312,7 @@ class Program:
         params: dict[str, torch.nn.Parameter] = {}
         seen: set[int] = set()
         for name, param in self._train_gm.named_parameters(remove_duplicate=False):
-            if id(param) in seen:
+            if id(param) in seen or name.startswith(zero3_gather_free.RUNTIME_ATTR + "."):
                 continue
             seen.add(id(param))
             params[name.removeprefix(MODEL_PREFIX)] = param
@@ -271,34 +331,51 @@ class Program:
                 f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
             )
 
-    def _ensure_optimizer(self) -> torch.optim.Optimizer:
-        if self._optimizer is None:
-            if self._optimizer_factory is None:
-                raise InputError(
-                    "step() needs an optimizer: compile(..., optimizer=lambda params: "
-                    "torch.optim.AdamW(params, lr=1e-3))"
-                )
-            self._optimizer = self._optimizer_factory(self.parameters())
-            if not isinstance(self._optimizer, torch.optim.Optimizer):
-                raise InputError(
-                    f"optimizer(params) must return a torch.optim.Optimizer, got {type(self._optimizer).__name__}"
-                )
-        return self._optimizer
+    def _flat_layouts(self, key: str) -> list[FlatLayout]:
+        """The flat groups passes assigned: grad buckets (GRAD_BUCKET) or ZeRO-3 gather groups (ZERO3)."""
+        slots, seen = [], set()
+        for node in self._train_gm.graph.nodes:
+            if key not in node.meta:
+                continue
+            if key == ZERO3:
+                record = get_zero3_gather(node)
+                for target, offset, numel in zip(record.targets, record.offsets, record.numels):
+                    slots.append((self._train_gm.get_parameter(target), record.group, offset, numel))
+                continue
+            param = self._train_gm.get_parameter(node.target)
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            slot = node.meta[key]
+            slots.append((param, slot.group, slot.offset, slot.numel))
+        dp_rank = self.mesh.coords(self.rank)["dp"]
+        return layouts_from_slots(slots, self.plan.dp, dp_rank)
 
-    def _ensure_grad_sync(self) -> BucketedGradSync:
-        if self._grad_sync is None:
-            slots, seen = [], set()
-            for node in self._train_gm.graph.nodes:
-                if node.op != "get_attr" or "autoshard.grad_bucket" not in node.meta:
-                    continue
-                param = self._train_gm.get_parameter(node.target)
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                slot = get_grad_bucket(node)
-                slots.append((param, slot.bucket, slot.offset, slot.numel))
-            self._grad_sync = BucketedGradSync(slots, self._dp_group, self.plan.dp)
-        return self._grad_sync
+    def _ensure_trainer(self) -> Any:
+        if self._trainer is not None:
+            return self._trainer
+        factory = self._optimizer_factory
+        if factory is None:
+            raise InputError(
+                "step() needs an optimizer: compile(..., optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))"
+            )
+        zero = self.plan.zero
+        if zero == 0:
+            layouts = self._flat_layouts(GRAD_BUCKET)
+            slots = [(p, g, o, p.numel()) for g, lay in enumerate(layouts) for p, o in zip(lay.params, lay.offsets)]
+            sync = BucketedGradSync(slots, self.comm, self.plan.dp)
+            optimizer = factory(self.parameters())
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise InputError(
+                    f"optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                )
+            self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))
+        elif zero in (1, 2):
+            layouts = self._flat_layouts(GRAD_BUCKET)
+            self._trainer = ZeroDataParallel(layouts, zero, self.plan.offload, factory, self.comm)
+        else:
+            self._trainer = Zero3Trainer(self._zero3, self.plan.offload, factory, self.comm)
+        return self._trainer
 
     def _make_dp_group(self) -> dist.ProcessGroup | None:
         if self.mesh.dp == dist.get_world_size():

@@ -1,7 +1,7 @@
 """Data-parallel gradient buckets: which bucket, and where in it, each trainable parameter's gradient goes.
 
 Reads:  autoshard.shape (of get_attr nodes: numel and dtype)
-Writes: autoshard.grad_bucket (meta.GradBucketSlot) on the get_attr nodes of trainable parameters
+Writes: autoshard.grad_bucket (meta.FlatSlot) on the get_attr nodes of trainable parameters
 
 Backward produces a parameter's gradient once it has passed the parameter's first use in forward,
 so gradients become ready in reverse order of first use. Bucket 0 holds the parameters used last;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.meta import GRAD_BUCKET, GradBucketSlot, get_shape
+from autoshard.meta import GRAD_BUCKET, FlatSlot, get_shape
 
 from .infra import PassResult
 
@@ -53,7 +53,7 @@ def run(gm: fx.GraphModule, bucket_bytes: int) -> PassResult:
         if dtype is not None and (tensor.dtype != dtype or used_bytes + nbytes > bucket_bytes) and used_bytes > 0:
             bucket, offset, used_bytes = bucket + 1, 0, 0
         dtype = tensor.dtype
-        slot = GradBucketSlot(bucket=bucket, offset=offset, numel=numel)
+        slot = FlatSlot(group=bucket, offset=offset, numel=numel)
         for node in nodes_of[key]:
             node.meta[GRAD_BUCKET] = slot
         offset += numel

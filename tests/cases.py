@@ -102,7 +102,11 @@ def build_case(family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_B
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    # eps=1e-6: GPT-2's key bias has a true gradient of zero (softmax ignores a shift shared by all
+    # keys), so its computed gradient is rounding noise near 1e-11 whose sign differs between any two
+    # summation orders; with eps=1e-8 Adam turns that noise into steps of ~1e-6, with 1e-6 into ~1e-8.
+    # Real gradients here are >= 1e-4, so their steps are unchanged.
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-6)
 
 
 def _loss(case: Case, batch: Batch) -> torch.Tensor:
@@ -110,16 +114,20 @@ def _loss(case: Case, batch: Batch) -> torch.Tensor:
     return case.loss_fn(out, batch.target) if case.loss_fn is not None else out.loss
 
 
-def train_single_device(family: str, steps: int = 3, **shape: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_single_device(
+    family: str, steps: int = 3, max_grad_norm: float | None = None, optimizer: Any = None, **shape: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: eager single-device training on the global batch."""
     case = build_case(family, steps, **shape)
     case.model.train()
-    opt = adamw(case.model.parameters())
+    opt = (optimizer or adamw)(case.model.parameters())
     losses = []
     for batch in case.batches:
         opt.zero_grad()
         loss = _loss(case, batch)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(case.model.parameters(), max_grad_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
@@ -129,7 +137,11 @@ def _tensor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
 
 
-def compile_case(case: Case, mesh: Any, plan: Any = "auto") -> autoshard.Program:
+def sgd_momentum(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def compile_case(case: Case, mesh: Any, plan: Any = "auto", optimizer: Any = None) -> autoshard.Program:
     first = case.batches[0]
     return autoshard.compile(
         case.model,
@@ -137,7 +149,7 @@ def compile_case(case: Case, mesh: Any, plan: Any = "auto") -> autoshard.Program
         example_inputs=first.inputs,
         example_kwargs=first.kwargs,
         loss_fn=case.loss_fn,
-        optimizer=adamw,
+        optimizer=optimizer or adamw,
         plan=plan,
         example_target=first.target,
     )
@@ -177,7 +189,7 @@ def overlap_probe(rank: int, world_size: int, family: str) -> dict[str, int]:
     local = program.local_batch
     kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
     target = None if batch.target is None else local(batch.target)
-    sync = program._ensure_grad_sync()
+    sync = program._ensure_trainer().sync
     seen: dict[str, int] = {}
     finish = sync.finish
 
@@ -213,3 +225,32 @@ def state_roundtrip(rank: int, world_size: int, family: str) -> bool:
     program.load_state_dict(start)
     restored = all(torch.equal(start[k], v) for k, v in program.state_dict().items())
     return changed and restored
+
+
+def train_zero(
+    rank: int, world_size: int, family: str, plan: dict[str, Any], steps: int = 3, optimizer: Any = None, **shape: Any
+) -> dict[str, Any]:
+    """One rank of a ZeRO run: losses, consolidated state, memory by category, communication volume."""
+    case = build_case(family, steps, **shape)
+    program = compile_case(case, autoshard.Mesh(dp=world_size), plan=plan, optimizer=optimizer)
+    losses = []
+    volumes = []
+    for batch in case.batches:
+        local = program.local_batch
+        inputs = tuple(local(x) for x in batch.inputs)
+        kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
+        target = None if batch.target is None else local(batch.target)
+        program.comm.reset()
+        losses.append(program.step(*inputs, target=target, **kwargs))
+        volumes.append(dict(program.comm.volume_bytes))
+    zero3 = program._zero3
+    return {
+        "losses": losses,
+        "state": program.full_state_dict(),
+        "memory": program.last_step_memory,
+        "volumes": volumes,
+        "param_bytes": program.cost.param_bytes,
+        "peak_gathered": zero3.peak_gathered_bytes if zero3 is not None else None,
+        "group_bytes": [lay.padded * 4 for lay in zero3.layouts] if zero3 is not None else None,
+        "graph": program.graph_modules[0].code,
+    }

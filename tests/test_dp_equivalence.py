@@ -9,10 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 RTOL = 1e-5
-# Absolute floor for parameters whose true gradient is zero (GPT-2's key bias: softmax ignores a
-# shift shared by all keys). Their computed gradient is rounding noise that Adam normalizes, so its
-# sign differs between any two summation orders; 1e-6 is 0.1% of one step at lr=1e-3, and 10x
-# tighter than torch.testing's float32 default.
+# Absolute floor for elements near zero (see cases.adamw on zero-gradient parameters): 0.1% of one
+# step at lr=1e-3, and 10x tighter than torch.testing's float32 default.
 ATOL = 1e-6
 
 

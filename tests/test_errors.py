@@ -90,10 +90,9 @@ def test_step_before_an_optimizer_was_given(mlp) -> None:
 
 
 def test_optimizer_factory_that_returns_something_else(mlp) -> None:
-    program = compile_mlp(mlp, optimizer=lambda params: list(params))
     msg = "optimizer(params) must return a torch.optim.Optimizer, got list"
-    with pytest.raises(InputError, match=re.escape(msg)):
-        program.step(*mlp.batches[0].inputs, target=mlp.batches[0].target)
+    with pytest.raises(InputError, match=re.escape(msg)):  # at compile time, before any step
+        compile_mlp(mlp, optimizer=lambda params: list(params))
 
 
 def test_loss_fn_without_example_target(mlp) -> None:

@@ -87,15 +87,17 @@ def test_plan_validation_messages() -> None:
 
 
 def test_plan_says_what_is_not_implemented() -> None:
-    plan = Plan(dp=2, tp=2, zero=1)
-    assert plan.not_implemented() == ["tensor parallelism (tp=2)", "ZeRO stage 1"]
+    plan = Plan(dp=2, tp=2, pp=2, zero=1)
+    assert plan.not_implemented() == ["tensor parallelism (tp=2)", "pipeline parallelism (pp=2)"]
     msg = (
-        "Plan(dp=2, tp=2, pp=1, zero=1, bucket=25MiB) asks for tensor parallelism (tp=2), ZeRO stage 1, "
-        "which this version of autoshard does not implement yet"
+        "Plan(dp=2, tp=2, pp=2, zero=1, schedule=1f1b, microbatches=1, bucket=25MiB) asks for tensor parallelism "
+        "(tp=2), pipeline parallelism (pp=2), which this version of autoshard does not implement yet"
     )
     with pytest.raises(PlanError, match=re.escape(msg)):
         plan.check_implemented()
-    Plan(dp=4).check_implemented()
+    Plan(dp=4, zero=3, offload=True).check_implemented()
+    with pytest.raises(PlanError, match=re.escape("offload=True keeps ZeRO's optimizer shards on the CPU: it needs")):
+        Plan(dp=4, offload=True)
 
 
 def test_plan_is_frozen_and_printable() -> None:

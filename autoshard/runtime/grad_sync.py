@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autoshard.runtime.comm import CommCounter
+
 __all__ = ["BucketedGradSync", "GradBucket"]
 
 
@@ -32,11 +34,11 @@ class BucketedGradSync:
     def __init__(
         self,
         slots: list[tuple[torch.nn.Parameter, int, int, int]],
-        group: dist.ProcessGroup | None,
+        comm: CommCounter,
         dp: int,
     ) -> None:
         """``slots``: (parameter, bucket index, offset, numel) for every trainable parameter."""
-        self.group = group
+        self.comm = comm
         self.dp = dp
         self.buckets: list[GradBucket] = []
         self.bucket_of: dict[int, int] = {}
@@ -93,7 +95,7 @@ class BucketedGradSync:
         if self.dp == 1:
             return
         bucket.buffer.div_(self.dp)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
         self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
 
     def finish(self) -> None:
@@ -112,3 +114,37 @@ class BucketedGradSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+class DataParallelTrainer:
+    """Plain data parallel: every rank keeps everything; gradients all-reduced in buckets."""
+
+    stage = 0
+
+    def __init__(self, sync: BucketedGradSync, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
+        self.sync = sync
+        self.optimizer = optimizer
+        self.params = params
+
+    def prepare(self) -> None:
+        self.sync.prepare()
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+    def step(self, max_grad_norm: float | None) -> None:
+        if max_grad_norm is not None:
+            # Gradients are identical on every rank after the all-reduce: clip locally.
+            torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        self.optimizer.step()
+
+    def memory(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.sync.buckets)
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        return {"parameters": params, "gradients": grads, "optimizer": state}
