@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autoshard import passes
 from autoshard.capture import capture
@@ -93,6 +94,19 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         if isinstance(first, torch.Tensor) and first.dim() >= 1:
             _check_batch(first.shape[0], resolved.dp)
 
+    master_values = None
+    param_dtype = overrides.get("param_dtype")
+    if param_dtype is not None and param_dtype != torch.float32:
+        # Mixed precision: keep the fp32 values for the optimizer's masters, compute in param_dtype.
+        master_values = {id(p): p.detach().to(torch.float32, copy=True) for p in model.parameters()}
+        model.to(param_dtype)
+
+        def cast(t: Any) -> Any:
+            return t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        example_inputs, example_kwargs, example_target = pytree.tree_map(
+            cast, (example_inputs, example_kwargs, example_target)
+        )
     captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
     log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(captured.gm.graph.nodes))
     results = passes.analyze(captured.gm, captured.rename)
@@ -114,5 +128,6 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         report=report,
         cost=cost,
         optimizer_factory=optimizer,
+        master_values=master_values,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
@@ -30,6 +32,8 @@ class Plan:
     microbatches      microbatches per step (pipeline)
     bucket_mb         size of a data-parallel gradient bucket in MiB
     max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
+    param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
+                      shards (needs zero >= 1). The model is converted in place. None: the model's dtype.
     """
 
     dp: int = 1
@@ -41,6 +45,7 @@ class Plan:
     microbatches: int = 1
     bucket_mb: float = 25.0
     max_grad_norm: float | None = None
+    param_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches"):
@@ -59,12 +64,23 @@ class Plan:
             or self.max_grad_norm <= 0
         ):
             raise PlanError(f"plan field max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+        if self.param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise PlanError(f"plan field param_dtype={self.param_dtype!r} must be torch.bfloat16, float16 or float32")
+        if self.mixed_precision and self.zero == 0:
+            raise PlanError(
+                f"param_dtype={self.param_dtype} keeps fp32 master weights in ZeRO's optimizer shards: "
+                f"it needs zero=1, 2 or 3"
+            )
         if self.offload and self.zero == 0:
             raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
 
     @property
     def mesh(self) -> Mesh:
         return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype not in (None, torch.float32)
 
     @property
     def bucket_bytes(self) -> int:
@@ -106,4 +122,6 @@ class Plan:
         parts.append(f"bucket={self.bucket_mb:g}MiB")
         if self.max_grad_norm is not None:
             parts.append(f"max_grad_norm={self.max_grad_norm:g}")
+        if self.param_dtype is not None:
+            parts.append(f"param_dtype={str(self.param_dtype).removeprefix('torch.')}")
         return "Plan(" + ", ".join(parts) + ")"

@@ -165,7 +165,8 @@ def choose_plan(
                 f"no dp x tp x pp factorization of world size {world_or_mesh} matches the plan's fixed degrees "
                 f"{ {k: overrides[k] for k in ('dp', 'tp', 'pp') if k in overrides} }"
             )
-    zeros = [overrides["zero"]] if "zero" in overrides else [1, 2, 3] if overrides.get("offload") else [0, 1, 2, 3]
+    needs_zero = overrides.get("offload") or Plan(param_dtype=overrides.get("param_dtype"), zero=1).mixed_precision
+    zeros = [overrides["zero"]] if "zero" in overrides else [1, 2, 3] if needs_zero else [0, 1, 2, 3]
     evaluated = cost.evaluate(**sizes)
     candidates = []
     for dp, tp, pp in shapes:

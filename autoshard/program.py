@@ -84,6 +84,7 @@ class Program:
         cost: ModelCost,
         optimizer_factory: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] | None,
         analysis_log: list[str],
+        master_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.plan = plan
         self.mesh = plan.mesh
@@ -96,6 +97,7 @@ class Program:
         self._forward_gm: fx.GraphModule | None = None
         self._optimizer_factory = optimizer_factory
         self._trainer: Any = None
+        self._master_values = master_values  # fp32 starting values under mixed precision, until the trainer has them
         self._zero3: Zero3Runtime | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -372,9 +374,10 @@ class Program:
             self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))
         elif zero in (1, 2):
             layouts = self._flat_layouts(GRAD_BUCKET)
-            self._trainer = ZeroDataParallel(layouts, zero, self.plan.offload, factory, self.comm)
+            self._trainer = ZeroDataParallel(layouts, zero, self.plan.offload, factory, self.comm, self._master_values)
         else:
-            self._trainer = Zero3Trainer(self._zero3, self.plan.offload, factory, self.comm)
+            self._trainer = Zero3Trainer(self._zero3, self.plan.offload, factory, self.comm, self._master_values)
+        self._master_values = None  # the master shards hold them now
         return self._trainer
 
     def _make_dp_group(self) -> dist.ProcessGroup | None:
@@ -393,7 +396,7 @@ class Program:
             return
         src = self.mesh.group("dp", self.rank)[0]
         tensors, seen = [], set()
-        for tensor in self._state_tensors().values():
+        for tensor in [*self._state_tensors().values(), *(self._master_values or {}).values()]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 tensors.append(tensor)

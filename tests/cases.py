@@ -133,6 +133,31 @@ def train_single_device(
     return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
 
 
+def train_single_device_mixed(
+    family: str, dtype: torch.dtype, steps: int = 3, **shape: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The mixed-precision reference: compute in ``dtype``, AdamW on fp32 master weights."""
+    case = build_case(family, steps, **shape)
+    model = case.model.train()
+    params = list(model.parameters())
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    model.to(dtype)
+    opt = adamw(masters)
+    losses = []
+    for batch in case.batches:
+        model.zero_grad()
+        loss = _loss(case, batch)
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _tensor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
 

@@ -7,7 +7,14 @@ import re
 
 import pytest
 import torch
-from cases import build_case, compile_case, sgd_momentum, train_single_device, train_zero
+from cases import (
+    build_case,
+    compile_case,
+    sgd_momentum,
+    train_single_device,
+    train_single_device_mixed,
+    train_zero,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dp_equivalence import RTOL, assert_state_close
@@ -138,3 +145,41 @@ def test_random_mlps_train_equivalently_under_zero(ranks, widths: list[int], dp:
     sizes = tuple(widths)
     result = ranks(dp).run(train_zero, "mlp", {"zero": zero}, sizes=sizes)[0]
     check_equivalent(result, "mlp", sizes=sizes)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_bf16_with_fp32_masters_matches_single_device_bf16(ranks, family: str, zero: int) -> None:
+    results = ranks(2).run(train_zero, family, {"zero": zero, "param_dtype": torch.bfloat16, "offload": zero == 2})
+    ref_losses, ref_state = train_single_device_mixed(family, torch.bfloat16)
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-2)
+    state = results[0]["state"]
+    assert state.keys() == ref_state.keys()
+    # bf16 tolerance: gradients are rounded to bf16 per rank before they are summed, so elements whose
+    # gradient is near zero (GPT-2's key bias has a true gradient of zero) may flip sign and take a
+    # different Adam step, at most lr = 1e-3 per step. So: at least 99% of all parameter elements match
+    # to torch's bf16 tolerance, and none is off by more than the 3 steps could move it.
+    close = total = 0
+    for key, expected in ref_state.items():
+        actual = state[key]
+        assert actual.dtype == expected.dtype
+        close += int(torch.isclose(actual.float(), expected.float(), rtol=1.6e-2, atol=1e-5).sum())
+        total += expected.numel()
+        assert (actual.float() - expected.float()).abs().max() <= 3 * 1e-3 * 1.01, key
+    assert close / total >= 0.99
+    # (2 + 2 + K) psi with K = 12: bf16 weights and gradients, fp32 masters and Adam state in the shards.
+    psi = results[0]["param_bytes"] / 2
+    memory = results[0]["memory"]
+    expected = {
+        1: {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi / 2},
+        2: {"parameters": 2 * psi, "gradients": 2 * psi / 2, "optimizer": 12 * psi / 2},
+        3: {"parameters": 2 * psi / 2, "gradients": 2 * psi / 2, "optimizer": 12 * psi / 2},
+    }[zero]
+    for category, value in expected.items():
+        assert abs(memory[category] - value) / value < 0.10, (category, memory[category], value)
+
+
+def test_mixed_precision_needs_zero() -> None:
+    msg = "param_dtype=torch.bfloat16 keeps fp32 master weights in ZeRO's optimizer shards: it needs zero=1, 2 or 3"
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        autoshard.Plan(dp=2, param_dtype=torch.bfloat16)

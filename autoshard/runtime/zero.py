@@ -81,11 +81,19 @@ class FlatLayout:
     def lo(self) -> int:
         return self.dp_rank * self.shard_numel
 
-    def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def flatten(
+        self, dtype: torch.dtype, device: torch.device, values: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The parameters (or ``values[id(param)]`` where given) in one padded flat tensor."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
         for param, offset in zip(self.params, self.offsets):
-            flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+            source = values[id(param)] if values is not None and id(param) in values else param.detach()
+            flat[offset : offset + source.numel()].copy_(source.reshape(-1))
         return flat
+
+    def master_shard(self, values: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """This rank's slice of the fp32 master values."""
+        return self.flatten(torch.float32, device, values)[self.lo : self.lo + self.shard_numel].clone()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
@@ -120,16 +128,19 @@ class ShardOptimizer:
         zero: int,
         offload: bool,
         comm: CommCounter,
+        initial_masters: list[torch.Tensor] | None = None,
     ) -> None:
+        """``initial_masters``: fp32 starting values when the compute shards were rounded (mixed precision)."""
         self.compute_shards = compute_shards
         self.offload = offload
         self.comm = comm
         self.separate = offload or any(s.dtype != torch.float32 for s in compute_shards)
         if self.separate:
             device = torch.device("cpu") if offload else None
+            sources = initial_masters or [s.detach() for s in compute_shards]
             self.masters = [
-                nn.Parameter(s.detach().to(device=device or s.device, dtype=torch.float32, copy=True))
-                for s in compute_shards
+                nn.Parameter(v.to(device=device or s.device, dtype=torch.float32, copy=True))
+                for s, v in zip(compute_shards, sources)
             ]
         else:
             self.masters = [nn.Parameter(s.detach()) for s in compute_shards]  # shares storage
@@ -204,7 +215,7 @@ class ZeroDataParallel:
         offload: bool,
         factory: Callable[[Any], torch.optim.Optimizer],
         comm: CommCounter,
-        compute_dtype: torch.dtype | None = None,
+        master_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.layouts = layouts
         self.stage = stage
@@ -212,13 +223,18 @@ class ZeroDataParallel:
         self.flats: list[torch.Tensor] = []
         for layout in layouts:
             first = layout.params[0]
-            flat = layout.flatten(compute_dtype or first.dtype, first.device)
+            flat = layout.flatten(first.dtype, first.device)
             for param, view in zip(layout.params, layout.views(flat)):
                 param.data = view  # the model's parameters now live in the flat buffer
             self.flats.append(flat)
         self.dp = layouts[0].dp if layouts else 1
         owned = [flat[lay.lo : lay.lo + lay.shard_numel] for flat, lay in zip(self.flats, layouts)]
-        self.shard_opt = ShardOptimizer(owned, factory, stage, offload, comm)
+        masters = (
+            [lay.master_shard(master_values, f.device) for lay, f in zip(layouts, self.flats)]
+            if master_values
+            else None
+        )
+        self.shard_opt = ShardOptimizer(owned, factory, stage, offload, comm, masters)
         # Stage 1 keeps full gradient buffers; stage 2 allocates them per backward.
         self.grad_flats: list[torch.Tensor | None] = [
             torch.zeros_like(flat) if stage == 1 else None for flat in self.flats
@@ -358,7 +374,7 @@ class UnboundZero3Runtime(nn.Module):
 class Zero3Runtime(nn.Module):
     """ZeRO stage 3 state: parameter shards at rest, gathered buffers, gradient shards."""
 
-    def __init__(self, layouts: list[FlatLayout], comm: CommCounter, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, layouts: list[FlatLayout], comm: CommCounter) -> None:
         super().__init__()
         self.layouts = layouts
         self.comm = comm
@@ -367,7 +383,7 @@ class Zero3Runtime(nn.Module):
         self.fulls: list[torch.Tensor] = []
         for layout in layouts:
             first = layout.params[0]
-            dtype = compute_dtype or first.dtype
+            dtype = first.dtype
             flat = layout.flatten(dtype, first.device)
             self.shards.append(nn.Parameter(flat[layout.lo : layout.lo + layout.shard_numel].clone()))
             del flat
@@ -465,10 +481,16 @@ class Zero3Trainer:
         offload: bool,
         factory: Callable[[Any], torch.optim.Optimizer],
         comm: CommCounter,
+        master_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage = 3
-        self.shard_opt = ShardOptimizer([s.data for s in runtime.shards], factory, 3, offload, comm)
+        masters = (
+            [lay.master_shard(master_values, s.device) for lay, s in zip(runtime.layouts, runtime.shards)]
+            if master_values
+            else None
+        )
+        self.shard_opt = ShardOptimizer([s.data for s in runtime.shards], factory, 3, offload, comm, masters)
 
     def prepare(self) -> None:
         self.runtime.prepare()
