@@ -22,6 +22,7 @@ from autoshard.plan import Plan
 from autoshard.planner import PlanReport
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.grad_sync import BucketedGradSync, DataParallelTrainer
+from autoshard.runtime.optim import make_optimizer
 from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
 
 __all__ = ["Program", "RankProgram"]
@@ -134,9 +135,7 @@ class Program:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        if self._trainer is None:
-            return None
-        return self._trainer.optimizer if self.plan.zero == 0 else self._trainer.shard_opt.optimizer
+        return None if self._trainer is None else self._trainer.optimizer
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's trainable tensors: the model's parameters, or with ZeRO-3 its flat shards."""
@@ -366,11 +365,7 @@ class Program:
             layouts = self._flat_layouts(GRAD_BUCKET)
             slots = [(p, g, o, p.numel()) for g, lay in enumerate(layouts) for p, o in zip(lay.params, lay.offsets)]
             sync = BucketedGradSync(slots, self.comm, self.plan.dp)
-            optimizer = factory(self.parameters())
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise InputError(
-                    f"optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
-                )
+            optimizer = make_optimizer(factory, self.parameters())
             self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))
         elif zero in (1, 2):
             layouts = self._flat_layouts(GRAD_BUCKET)

@@ -186,14 +186,22 @@ def train_distributed(
     """One rank of the distributed run: compile for the mesh, train on local batches."""
     case = build_case(family, steps, **shape)
     program = compile_case(case, autoshard.Mesh(**mesh))
-    losses = []
+    losses, _ = train_local_batches(program, case)
+    return losses, program.full_state_dict()
+
+
+def train_local_batches(program: autoshard.Program, case: Case) -> tuple[list[float], list[dict[str, int]]]:
+    """Step through the case's global batches, each rank on its slice; losses and comm volume per step."""
+    losses, volumes = [], []
     for batch in case.batches:
         local = program.local_batch
         inputs = tuple(local(x) for x in batch.inputs)
         kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
         target = None if batch.target is None else local(batch.target)
+        program.comm.reset()
         losses.append(program.step(*inputs, target=target, **kwargs))
-    return losses, program.full_state_dict()
+        volumes.append(dict(program.comm.volume_bytes))
+    return losses, volumes
 
 
 def error_message(rank: int, world_size: int, family: str, mesh: Any) -> str:
@@ -258,16 +266,7 @@ def train_zero(
     """One rank of a ZeRO run: losses, consolidated state, memory by category, communication volume."""
     case = build_case(family, steps, **shape)
     program = compile_case(case, autoshard.Mesh(dp=world_size), plan=plan, optimizer=optimizer)
-    losses = []
-    volumes = []
-    for batch in case.batches:
-        local = program.local_batch
-        inputs = tuple(local(x) for x in batch.inputs)
-        kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
-        target = None if batch.target is None else local(batch.target)
-        program.comm.reset()
-        losses.append(program.step(*inputs, target=target, **kwargs))
-        volumes.append(dict(program.comm.volume_bytes))
+    losses, volumes = train_local_batches(program, case)
     zero3 = program._zero3
     return {
         "losses": losses,

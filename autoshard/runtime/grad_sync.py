@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.optim import optimizer_state_bytes
 
 __all__ = ["BucketedGradSync", "GradBucket"]
 
@@ -141,10 +142,4 @@ class DataParallelTrainer:
     def memory(self) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for p in self.params)
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.sync.buckets)
-        state = sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        return {"parameters": params, "gradients": grads, "optimizer": state}
+        return {"parameters": params, "gradients": grads, "optimizer": optimizer_state_bytes(self.optimizer)}

@@ -27,6 +27,7 @@ from torch import nn
 
 from autoshard.errors import PlanError
 from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -144,13 +145,7 @@ class ShardOptimizer:
             ]
         else:
             self.masters = [nn.Parameter(s.detach()) for s in compute_shards]  # shares storage
-        self.optimizer = factory(iter(self.masters))
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            from autoshard.errors import InputError
-
-            raise InputError(
-                f"optimizer(params) must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}"
-            )
+        self.optimizer = make_optimizer(factory, self.masters)
         check_elementwise(self.optimizer, zero)
 
     def reload_masters(self) -> None:
@@ -195,12 +190,7 @@ class ShardOptimizer:
 
     def state_bytes(self) -> tuple[int, int, int]:
         """(optimizer state bytes, separate master bytes, master gradient bytes) held by this rank."""
-        state = sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
+        state = optimizer_state_bytes(self.optimizer)
         masters = sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
         return state, masters, 0
 
@@ -250,6 +240,10 @@ class ZeroDataParallel:
         self._active = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for lay in layouts for p in lay.params]
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shard_opt.optimizer
+
     def prepare(self) -> None:
         for g, layout in enumerate(self.layouts):
             if self.grad_flats[g] is None:
@@ -277,7 +271,10 @@ class ZeroDataParallel:
             if self.grad_shards[g] is None:
                 self.grad_shards[g] = self.grad_flats[g].new_empty(self.layouts[g].shard_numel)
             self.grad_flats[g].div_(self.dp)
-            self._works[g] = self.comm.reduce_scatter(self.grad_shards[g], self.grad_flats[g], async_op=True)
+            # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
+            self._works[g] = self.comm.reduce_scatter(
+                self.grad_shards[g], self.grad_flats[g], async_op=True, in_place=True
+            )
             self._next += 1
 
     def finish(self) -> None:
@@ -305,8 +302,8 @@ class ZeroDataParallel:
         self.shard_opt.step()
         works = []
         for flat, layout in zip(self.flats, self.layouts):
-            owned = flat[layout.lo : layout.lo + layout.shard_numel].clone()
-            works.append(self.comm.all_gather(flat, owned, async_op=True))
+            owned = flat[layout.lo : layout.lo + layout.shard_numel]
+            works.append(self.comm.all_gather(flat, owned, async_op=True, in_place=True))
         for work in works:
             work.wait()
 
@@ -491,6 +488,10 @@ class Zero3Trainer:
             else None
         )
         self.shard_opt = ShardOptimizer([s.data for s in runtime.shards], factory, 3, offload, comm, masters)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shard_opt.optimizer
 
     def prepare(self) -> None:
         self.runtime.prepare()
