@@ -1,0 +1,253 @@
+"""Pipeline schedules as plain data: per rank an ordered list of actions, printable and validated.
+
+An action is ``{stage}{F|B}{microbatch}`` (``1F0``: stage 1, forward, microbatch 0). With ``v``
+virtual stages per rank there are ``pp * v`` stages and stage ``s`` runs on rank ``s % pp``
+(interleaved 1F1B's looping placement). A schedule is valid when, under the rules below, every
+rank can run its list in order without waiting forever; ``validate`` checks this for all ranks
+before anything runs and names the rule a bad schedule breaks:
+
+1. every stage runs one forward and one backward of every microbatch, on the rank that owns it;
+2. a rank runs the forward of a (stage, microbatch) before its backward;
+3. data dependencies: F(s, m) needs F(s-1, m); B(s, m) needs B(s+1, m) (the last stage: F(s, m));
+   activations and gradients travel as send/recv, so each rank's order must let every receive
+   be matched by a send that some rank can reach: simulating all ranks must finish (no deadlock).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from autoshard.errors import PlanError
+
+__all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b"]
+
+_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+
+
+class ScheduleError(PlanError):
+    """A pipeline schedule that cannot run: the message names the broken rule."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: str  # "F" or "B"
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise ScheduleError(f"{text!r} is not an action; write stage, F or B, microbatch: e.g. 1F0")
+        return cls(int(match[1]), match[2], int(match[3]))
+
+    def needs(self, n_stages: int) -> Action | None:
+        """The action on another stage whose result this one receives (None for the first forward)."""
+        if self.kind == "F":
+            return Action(self.stage - 1, "F", self.microbatch) if self.stage > 0 else None
+        if self.stage == n_stages - 1:
+            return Action(self.stage, "F", self.microbatch)
+        return Action(self.stage + 1, "B", self.microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per rank, the ordered actions it runs in one training step."""
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in actions) for r, actions in enumerate(self.ranks))
+
+    @classmethod
+    def parse(
+        cls, text: str, name: str = "custom", microbatches: int | None = None, virtual_stages: int = 1
+    ) -> Schedule:
+        """Read back what ``str(schedule)`` prints."""
+        ranks = []
+        for line in text.strip().splitlines():
+            _, _, body = line.partition(":")
+            ranks.append(tuple(Action.parse(tok) for tok in body.split()))
+        mbs = microbatches if microbatches is not None else 1 + max(a.microbatch for r in ranks for a in r)
+        return cls(name, len(ranks), mbs, virtual_stages, tuple(ranks))
+
+    def timeline(self) -> list[list[Action | None]]:
+        """Simulate: each action takes one time unit once what it needs is done; raise on deadlock."""
+        n_stages = self.n_stages
+        done: dict[Action, int] = {}  # action -> time step it finished
+        cursor = [0] * self.pp
+        grid: list[list[Action | None]] = [[] for _ in range(self.pp)]
+        total = sum(len(r) for r in self.ranks)
+        t = 0
+        while len(done) < total:
+            progressed = []
+            for rank, actions in enumerate(self.ranks):
+                if cursor[rank] == len(actions):
+                    grid[rank].append(None)
+                    continue
+                action = actions[cursor[rank]]
+                need = action.needs(n_stages)
+                if need is None or done.get(need, t) < t:
+                    progressed.append((rank, action))
+                    grid[rank].append(action)
+                else:
+                    grid[rank].append(None)
+            if not progressed:
+                waiting = ", ".join(
+                    f"rank {r} waits at {self.ranks[r][cursor[r]]} for {self.ranks[r][cursor[r]].needs(n_stages)}"
+                    for r in range(self.pp)
+                    if cursor[r] < len(self.ranks[r])
+                )
+                raise ScheduleError(f"rule 3: {self.name} deadlocks at time {t}: {waiting}")
+            for rank, action in progressed:
+                done[action] = t
+                cursor[rank] += 1
+            t += 1
+        for row in grid:  # trailing idle slots after the last rank finished
+            del row[t:]
+        return grid
+
+    def validate(self) -> None:
+        """Check rules 1-3 for every rank; raise ScheduleError naming the first broken rule."""
+        if len(self.ranks) != self.pp:
+            raise ScheduleError(f"rule 1: {self.name} lists {len(self.ranks)} ranks for pp={self.pp}")
+        expected = {Action(s, k, m) for s in range(self.n_stages) for k in "FB" for m in range(self.microbatches)}
+        seen: set[Action] = set()
+        for rank, actions in enumerate(self.ranks):
+            for action in actions:
+                if action not in expected:
+                    raise ScheduleError(f"rule 1: {self.name} rank {rank} runs {action}, which is not in this pipeline")
+                if self.rank_of(action.stage) != rank:
+                    raise ScheduleError(
+                        f"rule 1: {self.name} runs {action} on rank {rank}, but stage {action.stage} lives on "
+                        f"rank {self.rank_of(action.stage)}"
+                    )
+                if action in seen:
+                    raise ScheduleError(f"rule 1: {self.name} runs {action} twice")
+                seen.add(action)
+                if action.kind == "B" and Action(action.stage, "F", action.microbatch) not in seen:
+                    raise ScheduleError(f"rule 2: {self.name} rank {rank} runs {action} before its forward")
+        missing = sorted(expected - seen)
+        if missing:
+            raise ScheduleError(f"rule 1: {self.name} never runs {', '.join(map(str, missing[:4]))}")
+        self.timeline()
+
+    def table(self) -> str:
+        """The schedule as a rank x time table ('.' is idle)."""
+        grid = self.timeline()
+        width = max(len(str(a)) for row in grid for a in row if a is not None)
+        lines = [f"{self.name}: pp={self.pp}, microbatches={self.microbatches}, virtual stages={self.virtual_stages}"]
+        for rank, row in enumerate(grid):
+            cells = " ".join(f"{str(a) if a else '.':>{width}}" for a in row)
+            lines.append(f"rank {rank}: {cells}")
+        return "\n".join(lines)
+
+    def idle_fraction(self) -> list[float]:
+        """Per rank, the share of the step's time slots it sits idle (unit-time actions)."""
+        grid = self.timeline()
+        return [sum(a is None for a in row) / len(row) for row in grid]
+
+    def peak_in_flight(self) -> list[int]:
+        """Per rank, the most microbatches whose forward ran and backward has not (activations held)."""
+        peaks = []
+        for actions in self.ranks:
+            live = peak = 0
+            for action in actions:
+                live += 1 if action.kind == "F" else -1
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+
+def gpipe(pp: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (backwards in reverse microbatch order)."""
+    ranks = tuple(
+        tuple(Action(r, "F", m) for m in range(microbatches))
+        + tuple(Action(r, "B", m) for m in reversed(range(microbatches)))
+        for r in range(pp)
+    )
+    return Schedule("gpipe", pp, microbatches, 1, ranks)
+
+
+def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+    """Warm up with pp-1-rank forwards, then alternate one forward and one backward, then cool down."""
+    ranks = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, microbatches)
+        actions = [Action(r, "F", m) for m in range(warmup)]
+        f, b = warmup, 0
+        while f < microbatches:
+            actions += [Action(r, "F", f), Action(r, "B", b)]
+            f, b = f + 1, b + 1
+        actions += [Action(r, "B", m) for m in range(b, microbatches)]
+        ranks.append(tuple(actions))
+    return Schedule("1f1b", pp, microbatches, 1, tuple(ranks))
+
+
+def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: each rank holds v stages (r, r+pp, ...) and cycles through them
+    in groups of pp microbatches, which shrinks the bubble by a factor v."""
+    if virtual_stages < 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} must be at least 1")
+    if microbatches % pp:
+        raise ScheduleError(
+            f"interleaved 1F1B needs microbatches divisible by pp: {microbatches} microbatches, pp={pp}; "
+            f"use a multiple of {pp}"
+        )
+    v = virtual_stages
+    total = microbatches * v
+
+    def forward(rank: int, k: int) -> Action:
+        group, within = divmod(k, pp * v)
+        chunk = within // pp
+        return Action(chunk * pp + rank, "F", group * pp + within % pp)
+
+    def backward(rank: int, k: int) -> Action:
+        group, within = divmod(k, pp * v)
+        chunk = v - 1 - within // pp
+        return Action(chunk * pp + rank, "B", group * pp + within % pp)
+
+    ranks = []
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        actions = [forward(r, k) for k in range(warmup)]
+        f, b = warmup, 0
+        while f < total:
+            actions += [forward(r, f), backward(r, b)]
+            f, b = f + 1, b + 1
+        actions += [backward(r, k) for k in range(b, total)]
+        ranks.append(tuple(actions))
+    return Schedule("interleaved_1f1b", pp, microbatches, v, tuple(ranks))
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Build and validate a named schedule; errors come before any rank sends."""
+    if microbatches < 1:
+        raise ScheduleError(f"microbatches={microbatches} must be at least 1")
+    if name == "gpipe":
+        schedule = gpipe(pp, microbatches)
+    elif name == "1f1b":
+        schedule = one_f_one_b(pp, microbatches)
+    elif name == "interleaved_1f1b":
+        schedule = interleaved_1f1b(pp, microbatches, virtual_stages)
+    else:
+        raise ScheduleError(f"unknown schedule {name!r}; choose gpipe, 1f1b or interleaved_1f1b")
+    if name != "interleaved_1f1b" and virtual_stages != 1:
+        raise ScheduleError(f"{name} runs one stage per rank; virtual_stages={virtual_stages} needs interleaved_1f1b")
+    schedule.validate()
+    return schedule
