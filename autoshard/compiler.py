@@ -17,7 +17,7 @@ from autoshard.capture import capture
 from autoshard.cost import summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
+from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner import DeviceSpec, choose_plan
 from autoshard.program import Program
 
@@ -96,7 +96,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
 
     master_values = None
     param_dtype = overrides.get("param_dtype")
-    if param_dtype is not None and param_dtype != torch.float32:
+    if is_mixed_precision(param_dtype):
         # Mixed precision: keep the fp32 values for the optimizer's masters, compute in param_dtype.
         master_values = {id(p): p.detach().to(torch.float32, copy=True) for p in model.parameters()}
         model.to(param_dtype)

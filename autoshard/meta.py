@@ -20,6 +20,7 @@ __all__ = [
     "GRAD_BUCKET",
     "LAYER",
     "SHAPE",
+    "STAGE",
     "ZERO3",
     "ZERO_GROUP",
     "FlatSlot",
@@ -32,6 +33,7 @@ __all__ = [
     "get_grad_bucket",
     "get_layer",
     "get_shape",
+    "get_stage",
     "get_zero3_gather",
     "get_zero_group",
 ]
@@ -42,6 +44,7 @@ COST = "autoshard.cost"  # written by passes.cost_model
 GRAD_BUCKET = "autoshard.grad_bucket"  # written by passes.grad_buckets
 ZERO_GROUP = "autoshard.zero_group"  # written by passes.zero_groups
 ZERO3 = "autoshard.zero3"  # written by passes.zero3_gather_free
+STAGE = "autoshard.stage"  # written by passes.pipeline_split
 
 
 def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
@@ -162,3 +165,7 @@ def get_zero_group(node: fx.Node) -> FlatSlot:
 
 def get_zero3_gather(node: fx.Node) -> Zero3Gather:
     return _require(node, ZERO3, "zero3_gather_free")
+
+
+def get_stage(node: fx.Node) -> int:
+    return _require(node, STAGE, "pipeline_split")

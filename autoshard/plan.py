@@ -11,9 +11,14 @@ import torch
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
-__all__ = ["SCHEDULES", "Plan"]
+__all__ = ["SCHEDULES", "Plan", "is_mixed_precision"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def is_mixed_precision(param_dtype: torch.dtype | None) -> bool:
+    """Computing in a lower precision than fp32 (so fp32 master weights are kept apart)."""
+    return param_dtype not in (None, torch.float32)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -80,7 +85,7 @@ class Plan:
 
     @property
     def mixed_precision(self) -> bool:
-        return self.param_dtype not in (None, torch.float32)
+        return is_mixed_precision(self.param_dtype)
 
     @property
     def bucket_bytes(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from autoshard.cost import ModelCost
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
+from autoshard.plan import Plan, is_mixed_precision
 
 __all__ = ["Candidate", "DeviceSpec", "PlanReport", "choose_plan", "estimate"]
 
@@ -165,7 +165,7 @@ def choose_plan(
                 f"no dp x tp x pp factorization of world size {world_or_mesh} matches the plan's fixed degrees "
                 f"{ {k: overrides[k] for k in ('dp', 'tp', 'pp') if k in overrides} }"
             )
-    needs_zero = overrides.get("offload") or Plan(param_dtype=overrides.get("param_dtype"), zero=1).mixed_precision
+    needs_zero = overrides.get("offload") or is_mixed_precision(overrides.get("param_dtype"))
     zeros = [overrides["zero"]] if "zero" in overrides else [1, 2, 3] if needs_zero else [0, 1, 2, 3]
     evaluated = cost.evaluate(**sizes)
     candidates = []

@@ -243,7 +243,8 @@ class Program:
         """This rank's tensors: the model's keys (with ZeRO-3: its flat shards, then the buffers)."""
         if self._zero3 is not None:
             shards = {f"zero3.shards.{g}": s.detach() for g, s in enumerate(self._zero3.shards)}
-            return shards | {k: t.detach() for k, t in self._state_tensors().items() if not self._is_param(t)}
+            buffers = {k: t.detach() for k, t in self._state_tensors().items() if not isinstance(t, torch.nn.Parameter)}
+            return shards | buffers
         return {key: tensor.detach() for key, tensor in self._state_tensors().items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -290,9 +291,6 @@ class Program:
             self._trainer.shard_opt.reload_masters()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _is_param(self, tensor: torch.Tensor) -> bool:
-        return isinstance(tensor, torch.nn.Parameter)
-
     def _zero3_shape(self, param: torch.Tensor) -> torch.Size:
         for layout in self._zero3.layouts:
             for p, shape in zip(layout.params, layout.shapes):
@@ -332,8 +330,8 @@ class Program:
                 f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
             )
 
-    def _flat_layouts(self, key: str) -> list[FlatLayout]:
-        """The flat groups passes assigned: grad buckets (GRAD_BUCKET) or ZeRO-3 gather groups (ZERO3)."""
+    def _flat_slots(self, key: str) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+        """(parameter, group, offset, numel) as passes assigned them: GRAD_BUCKET or ZeRO-3's ZERO3."""
         slots, seen = [], set()
         for node in self._train_gm.graph.nodes:
             if key not in node.meta:
@@ -349,8 +347,10 @@ class Program:
             seen.add(id(param))
             slot = node.meta[key]
             slots.append((param, slot.group, slot.offset, slot.numel))
-        dp_rank = self.mesh.coords(self.rank)["dp"]
-        return layouts_from_slots(slots, self.plan.dp, dp_rank)
+        return slots
+
+    def _flat_layouts(self, key: str) -> list[FlatLayout]:
+        return layouts_from_slots(self._flat_slots(key), self.plan.dp, self.mesh.coords(self.rank)["dp"])
 
     def _ensure_trainer(self) -> Any:
         if self._trainer is not None:
@@ -362,9 +362,7 @@ class Program:
             )
         zero = self.plan.zero
         if zero == 0:
-            layouts = self._flat_layouts(GRAD_BUCKET)
-            slots = [(p, g, o, p.numel()) for g, lay in enumerate(layouts) for p, o in zip(lay.params, lay.offsets)]
-            sync = BucketedGradSync(slots, self.comm, self.plan.dp)
+            sync = BucketedGradSync(self._flat_slots(GRAD_BUCKET), self.comm, self.plan.dp)
             optimizer = make_optimizer(factory, self.parameters())
             self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))
         elif zero in (1, 2):

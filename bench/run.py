@@ -233,10 +233,17 @@ def _run_system(system: str, ranks: int, steps: int) -> dict[str, Any]:
     }
 
 
-def bench_zero_vs_torch(ranks: int = 4, steps: int = 6) -> None:
-    """ZeRO-1 vs ZeroRedundancyOptimizer + DDP, ZeRO-3 vs FSDP2 (fully_shard per block): time and memory."""
+def bench_zero_vs_torch(ranks: int = 4, steps: int = 6, rounds: int = 2) -> None:
+    """ZeRO-1 vs ZeroRedundancyOptimizer + DDP, ZeRO-3 vs FSDP2 (fully_shard per block): time and memory.
+
+    Each system runs on fresh ranks, alternating ours and theirs ``rounds`` times so drift hits both.
+    """
     for ours, theirs in (("autoshard zero=1", "ddp+zero_redundancy"), ("autoshard zero=3", "fsdp2")):
-        a, b = _run_system(ours, ranks, steps), _run_system(theirs, ranks, steps)
+        runs: dict[str, list[dict[str, Any]]] = {ours: [], theirs: []}
+        for _ in range(rounds):
+            for system in (ours, theirs):
+                runs[system].append(_run_system(system, ranks, steps))
+        a, b = ({k: statistics.mean(r[k] for r in runs[s]) for k in runs[s][0]} for s in (ours, theirs))
         report(
             f"{ours} vs {theirs}: step time, dp={ranks}",
             f"{a['seconds'] * 1e3:.1f} ms",
@@ -261,7 +268,11 @@ def bench_zero_vs_torch(ranks: int = 4, steps: int = 6) -> None:
 
 
 def _memory_rank(rank: int, world_size: int, zero: int) -> dict[str, int]:
+    import gc
+
     import transformers
+
+    gc.collect()  # the previous stage's program
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -278,7 +289,13 @@ def _memory_rank(rank: int, world_size: int, zero: int) -> dict[str, int]:
     local = program.local_batch(ids)
     for _ in range(2):  # the second step measures with the optimizer state in place
         program.step(local, labels=local)
-    return {**program.last_step_memory, "param_bytes": program.cost.param_bytes}
+    zero3 = program._zero3
+    return {
+        **program.last_step_memory,
+        "param_bytes": program.cost.param_bytes,
+        "peak_gathered": zero3.peak_gathered_bytes if zero3 else 0,
+        "largest_group": max(lay.padded * 4 for lay in zero3.layouts) if zero3 else 0,
+    }
 
 
 def bench_zero_memory_table(ranks: int = 4) -> None:
@@ -299,6 +316,12 @@ def bench_zero_memory_table(ranks: int = 4) -> None:
                 measured = result[category]
                 ratio = measured / value
                 print(f"{zero:<6} {category:<11} {measured / 2**20:>13.1f} {value / 2**20:>12.1f} {ratio:>7.3f}")
+            if zero == 3:
+                print(
+                    f"ZeRO-3 peak of gathered parameters: {result['peak_gathered'] / 2**20:.1f} MiB = "
+                    f"{result['peak_gathered'] / result['largest_group']:.2f} x the largest layer "
+                    f"({result['largest_group'] / 2**20:.1f} MiB, the tied embedding)"
+                )
             total = sum(result[c] for c in formula)
             report(
                 f"ZeRO-{zero} GPT-2 small: bytes held per rank vs formula",

@@ -231,9 +231,10 @@ def overlap_probe(rank: int, world_size: int, family: str) -> dict[str, int]:
         finish()
 
     sync.finish = finish_and_count
+    program.comm.reset()
     program.step(*(local(x) for x in batch.inputs), target=target, **kwargs)
     seen["buckets"] = len(sync.buckets)
-    seen["bytes_reduced"] = sync.bytes_reduced
+    seen["bytes_reduced"] = program.comm.volume_bytes["all_reduce"] // 2  # volume counts an all-reduce twice
     seen["param_bytes"] = sum(p.numel() * p.element_size() for p in program.parameters())
     return seen
 
@@ -278,3 +279,16 @@ def train_zero(
         "group_bytes": [lay.padded * 4 for lay in zero3.layouts] if zero3 is not None else None,
         "graph": program.graph_modules[0].code,
     }
+
+
+class Stack(nn.Module):
+    """A model of identical blocks and nothing else: the pipeline balance reference."""
+
+    def __init__(self, blocks: int, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

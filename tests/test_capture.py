@@ -92,3 +92,17 @@ def test_meta_llama_7b_plans_without_weights() -> None:
     assert program.plan.dp == 64
     with pytest.raises(autoshard.DistributedError, match="the model is on the meta device"):
         program.step(ids[:1], labels=ids[:1])
+
+
+def test_a_dropped_program_is_freed() -> None:
+    import gc
+    import weakref
+
+    case = build_case("gpt2")
+    batch = case.batches[0]
+    program = autoshard.compile(case.model, 1, batch.inputs, batch.kwargs, optimizer=torch.optim.SGD)
+    program.step(*batch.inputs, labels=batch.kwargs["labels"])
+    trainer = weakref.ref(program._trainer)
+    del program
+    gc.collect()
+    assert trainer() is None  # gradient hooks on the model's parameters do not keep it alive

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime.comm import CommCounter
-from autoshard.runtime.optim import optimizer_state_bytes
+from autoshard.runtime.optim import optimizer_state_bytes, weak_grad_hook
 
 __all__ = ["BucketedGradSync", "GradBucket"]
 
@@ -58,11 +58,12 @@ class BucketedGradSync:
             bucket.params.append(param)
             bucket.views.append(bucket.buffer[offset : offset + numel].view_as(param))
             self.bucket_of[id(param)] = b
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p, _, _, _ in slots]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready)) for p, _, _, _ in slots
+        ]
         self._ready: set[int] = set()
         self._next_launch = 0
         self._active = False
-        self.bytes_reduced = 0
 
     def prepare(self) -> None:
         """Before a backward: zero the buffers and point every ``.grad`` at its slot."""
@@ -97,7 +98,6 @@ class BucketedGradSync:
             return
         bucket.buffer.div_(self.dp)
         bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
-        self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
 
     def finish(self) -> None:
         """After backward: reduce what is left, wait for every bucket, and drop grads that never came."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from autoshard.errors import InputError
 
-__all__ = ["make_optimizer", "optimizer_state_bytes"]
+__all__ = ["make_optimizer", "optimizer_state_bytes", "weak_grad_hook"]
 
 
 def make_optimizer(factory: Callable[[Any], torch.optim.Optimizer], params: Iterable[Any]) -> torch.optim.Optimizer:
@@ -27,3 +28,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for t in state.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
     )
+
+
+def weak_grad_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that calls ``method`` only while its object lives.
+
+    Autograd keeps hooks alive from C++, where Python's garbage collector cannot see the cycle
+    parameter -> hook -> gradient sync -> parameter; a strong hook would keep every compiled
+    program (and its buffers) alive for as long as the model.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook

@@ -27,7 +27,7 @@ from torch import nn
 
 from autoshard.errors import PlanError
 from autoshard.runtime.comm import CommCounter
-from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes
+from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes, weak_grad_hook
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -238,7 +238,9 @@ class ZeroDataParallel:
         self._works: list[Any] = [None] * len(layouts)
         self._next = 0
         self._active = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for lay in layouts for p in lay.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad)) for lay in layouts for p in lay.params
+        ]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
