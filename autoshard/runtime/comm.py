@@ -55,7 +55,11 @@ class CommCounter:
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
     def _chunked(self, in_place: bool) -> bool:
-        return in_place and dist.get_backend(self.group) == "gloo"
+        return in_place and self.reduces_in_place()
+
+    def reduces_in_place(self) -> bool:
+        """Whether ``reduce_scatter(..., in_place=True)`` leaves the result in the input's own chunk."""
+        return dist.get_backend(self.group) == "gloo"
 
     def _chunks(self, full: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         size = dist.get_world_size(self.group)
@@ -76,7 +80,7 @@ class CommCounter:
         me = dist.get_rank()
         for rank, chunk in self._chunks(inp):
             dist.reduce(chunk, dst=rank, group=self.group)
-            if rank == me:
+            if rank == me and not _overlaps(out, chunk):
                 out.copy_(chunk)
         return _Done()
 

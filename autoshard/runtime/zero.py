@@ -270,8 +270,12 @@ class ZeroDataParallel:
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.layouts) and (force or self._pending[self._next] == 0):
             g = self._next
-            if self.grad_shards[g] is None:
-                self.grad_shards[g] = self.grad_flats[g].new_empty(self.layouts[g].shard_numel)
+            layout = self.layouts[g]
+            if self.stage == 1 and self.comm.reduces_in_place():
+                # Stage 1 keeps the full buffer: its own chunk receives the result, no extra shard.
+                self.grad_shards[g] = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
+            elif self.grad_shards[g] is None:
+                self.grad_shards[g] = self.grad_flats[g].new_empty(layout.shard_numel)
             self.grad_flats[g].div_(self.dp)
             # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
             self._works[g] = self.comm.reduce_scatter(
@@ -287,7 +291,8 @@ class ZeroDataParallel:
             self._works[g] = None
             if self.stage == 1:
                 owned = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
-                owned.copy_(self.grad_shards[g])
+                if self.grad_shards[g].data_ptr() != owned.data_ptr():
+                    owned.copy_(self.grad_shards[g])
                 self.grad_shards[g] = None
                 grads.append(owned)
             else:
