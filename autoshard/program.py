@@ -150,7 +150,11 @@ class Program:
     def for_rank(self, rank: int) -> RankProgram:
         """Rank ``rank``'s graphs and placements; works offline for any mesh size."""
         coords = self.mesh.coords(rank)
-        names = [n.removeprefix(MODEL_PREFIX) for n, _ in self._train_gm.named_parameters(remove_duplicate=False)]
+        names = [
+            n.removeprefix(MODEL_PREFIX)
+            for n, _ in self._train_gm.named_parameters(remove_duplicate=False)
+            if n.startswith(MODEL_PREFIX)  # not the ZeRO-3 runtime's shards
+        ]
         # ZeRO-3 shards each parameter's flat group along the dp dimension.
         dp_placement = Shard(0) if self.plan.zero == 3 else Replicate()
         placements = {name: {"pp": Replicate(), "dp": dp_placement, "tp": Replicate()} for name in names}

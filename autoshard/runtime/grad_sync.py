@@ -120,8 +120,6 @@ class BucketedGradSync:
 class DataParallelTrainer:
     """Plain data parallel: every rank keeps everything; gradients all-reduced in buckets."""
 
-    stage = 0
-
     def __init__(self, sync: BucketedGradSync, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
         self.sync = sync
         self.optimizer = optimizer

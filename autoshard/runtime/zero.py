@@ -35,8 +35,12 @@ __all__ = [
     "ShardOptimizer",
     "UnboundZero3Runtime",
     "Zero3Runtime",
+    "Zero3Trainer",
     "ZeroDataParallel",
     "check_elementwise",
+    "gather",
+    "layouts_from_slots",
+    "mark",
 ]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -188,11 +192,11 @@ class ShardOptimizer:
         for m in self.masters:
             m.grad = None
 
-    def state_bytes(self) -> tuple[int, int, int]:
-        """(optimizer state bytes, separate master bytes, master gradient bytes) held by this rank."""
+    def state_bytes(self) -> tuple[int, int]:
+        """(optimizer state bytes, separate fp32 master bytes) held by this rank."""
         state = optimizer_state_bytes(self.optimizer)
         masters = sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
-        return state, masters, 0
+        return state, masters
 
 
 class ZeroDataParallel:
@@ -317,7 +321,7 @@ class ZeroDataParallel:
     def memory(self) -> dict[str, int]:
         params = sum(f.numel() * f.element_size() for f in self.flats)
         grads = sum(g.numel() * g.element_size() for g in [*self.grad_flats, *self.grad_shards] if g is not None)
-        state, masters, _ = self.shard_opt.state_bytes()
+        state, masters = self.shard_opt.state_bytes()
         return {"parameters": params, "gradients": grads, "optimizer": state + masters}
 
 
@@ -488,7 +492,6 @@ class Zero3Trainer:
         master_values: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.runtime = runtime
-        self.stage = 3
         masters = (
             [lay.master_shard(master_values, s.device) for lay, s in zip(runtime.layouts, runtime.shards)]
             if master_values
@@ -517,5 +520,5 @@ class Zero3Trainer:
         rt = self.runtime
         params = sum(s.numel() * s.element_size() for s in rt.shards) + rt.gathered_bytes()
         grads = sum(g.numel() * g.element_size() for g in rt.grad_shards if g is not None)
-        state, masters, _ = self.shard_opt.state_bytes()
+        state, masters = self.shard_opt.state_bytes()
         return {"parameters": params, "gradients": grads, "optimizer": state + masters}
