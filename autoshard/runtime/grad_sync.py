@@ -9,6 +9,7 @@ same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.optim import optimizer_state_bytes, weak_grad_hook
 
-__all__ = ["BucketedGradSync", "GradBucket"]
+__all__ = ["BucketedGradSync", "DataParallelTrainer", "GradBucket", "InOrderLauncher"]
 
 
 @dataclass
@@ -25,8 +26,56 @@ class GradBucket:
     buffer: torch.Tensor
     params: list[torch.nn.Parameter]
     views: list[torch.Tensor]
-    pending: int = 0
     work: dist.Work | None = None
+
+
+class InOrderLauncher:
+    """Counts gradient arrivals per group and launches each complete group, strictly in group order.
+
+    Every rank runs the same graph, so every rank launches the same collectives in the same order.
+    Arrivals come from post-accumulate-grad hooks (held weakly, see weak_grad_hook).
+    """
+
+    def __init__(self, groups: list[list[torch.nn.Parameter]], launch: Callable[[int], None]) -> None:
+        self.sizes = [len(params) for params in groups]
+        self.group_of = {id(p): g for g, params in enumerate(groups) for p in params}
+        self.launch = launch
+        self.arrived: set[int] = set()
+        self._pending = list(self.sizes)
+        self._next = 0
+        self._active = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad)) for params in groups for p in params
+        ]
+
+    def reset(self) -> None:
+        """Before a backward."""
+        self.arrived.clear()
+        self._pending = list(self.sizes)
+        self._next = 0
+        self._active = True
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._active or id(param) in self.arrived:
+            return  # a backward outside step(), or a second arrival
+        self.arrived.add(id(param))
+        self._pending[self.group_of[id(param)]] -= 1
+        self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        while self._next < len(self.sizes) and (force or self._pending[self._next] == 0):
+            self.launch(self._next)
+            self._next += 1
+
+    def flush(self) -> None:
+        """After backward: launch the groups still waiting (parameters that got no gradient)."""
+        self._launch_ready(force=True)
+        self._active = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 class BucketedGradSync:
@@ -42,7 +91,6 @@ class BucketedGradSync:
         self.comm = comm
         self.dp = dp
         self.buckets: list[GradBucket] = []
-        self.bucket_of: dict[int, int] = {}
         n_buckets = 1 + max((b for _, b, _, _ in slots), default=-1)
         sizes = [0] * n_buckets
         for _, b, offset, numel in slots:
@@ -57,43 +105,19 @@ class BucketedGradSync:
             bucket = self.buckets[b]
             bucket.params.append(param)
             bucket.views.append(bucket.buffer[offset : offset + numel].view_as(param))
-            self.bucket_of[id(param)] = b
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready)) for p, _, _, _ in slots
-        ]
-        self._ready: set[int] = set()
-        self._next_launch = 0
-        self._active = False
+        self.launcher = InOrderLauncher([b.params for b in self.buckets], self._launch)
 
     def prepare(self) -> None:
         """Before a backward: zero the buffers and point every ``.grad`` at its slot."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            bucket.pending = len(bucket.params)
             bucket.work = None
             for param, view in zip(bucket.params, bucket.views):
                 param.grad = view
-        self._ready.clear()
-        self._next_launch = 0
-        self._active = True
+        self.launcher.reset()
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._active or id(param) in self._ready:
-            return
-        self._ready.add(id(param))
-        bucket = self.buckets[self.bucket_of[id(param)]]
-        bucket.pending -= 1
-        self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.pending > 0 and not force:
-                return
-            self._launch(bucket)
-            self._next_launch += 1
-
-    def _launch(self, bucket: GradBucket) -> None:
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
         if self.dp == 1:
             return
         bucket.buffer.div_(self.dp)
@@ -101,20 +125,17 @@ class BucketedGradSync:
 
     def finish(self) -> None:
         """After backward: reduce what is left, wait for every bucket, and drop grads that never came."""
-        self._launch_ready(force=True)
+        self.launcher.flush()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
             for param in bucket.params:
-                if id(param) not in self._ready:
+                if id(param) not in self.launcher.arrived:
                     param.grad = None  # unused this step: like single-device training, no gradient
-        self._active = False
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.launcher.remove()
 
 
 class DataParallelTrainer:

@@ -27,7 +27,8 @@ from torch import nn
 
 from autoshard.errors import PlanError
 from autoshard.runtime.comm import CommCounter
-from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes, weak_grad_hook
+from autoshard.runtime.grad_sync import InOrderLauncher
+from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -236,15 +237,8 @@ class ZeroDataParallel:
         # Reduce-scatter outputs: kept by stage 2 (its gradient shard), temporary for stage 1, whose
         # reduced slice is copied into the full buffer it keeps anyway.
         self.grad_shards: list[torch.Tensor | None] = [None] * len(layouts)
-        self.group_of = {id(p): g for g, lay in enumerate(layouts) for p in lay.params}
-        self._pending = [0] * len(layouts)
-        self._ready: set[int] = set()
         self._works: list[Any] = [None] * len(layouts)
-        self._next = 0
-        self._active = False
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad)) for lay in layouts for p in lay.params
-        ]
+        self.launcher = InOrderLauncher([lay.params for lay in layouts], self._launch)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -258,37 +252,22 @@ class ZeroDataParallel:
                 self.grad_flats[g].zero_()
             for param, view in zip(layout.params, layout.views(self.grad_flats[g])):
                 param.grad = view
-            self._pending[g] = len(layout.params)
             self._works[g] = None
-        self._ready.clear()
-        self._next = 0
-        self._active = True
+        self.launcher.reset()
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._active or id(param) in self._ready:
-            return
-        self._ready.add(id(param))
-        self._pending[self.group_of[id(param)]] -= 1
-        self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.layouts) and (force or self._pending[self._next] == 0):
-            g = self._next
-            layout = self.layouts[g]
-            if self.stage == 1 and self.comm.reduces_in_place():
-                # Stage 1 keeps the full buffer: its own chunk receives the result, no extra shard.
-                self.grad_shards[g] = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
-            elif self.grad_shards[g] is None:
-                self.grad_shards[g] = self.grad_flats[g].new_empty(layout.shard_numel)
-            self.grad_flats[g].div_(self.dp)
-            # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
-            self._works[g] = self.comm.reduce_scatter(
-                self.grad_shards[g], self.grad_flats[g], async_op=True, in_place=True
-            )
-            self._next += 1
+    def _launch(self, g: int) -> None:
+        layout = self.layouts[g]
+        if self.stage == 1 and self.comm.reduces_in_place():
+            # Stage 1 keeps the full buffer: its own chunk receives the result, no extra shard.
+            self.grad_shards[g] = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
+        elif self.grad_shards[g] is None:
+            self.grad_shards[g] = self.grad_flats[g].new_empty(layout.shard_numel)
+        self.grad_flats[g].div_(self.dp)
+        # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
+        self._works[g] = self.comm.reduce_scatter(self.grad_shards[g], self.grad_flats[g], async_op=True, in_place=True)
 
     def finish(self) -> None:
-        self._launch_ready(force=True)
+        self.launcher.flush()
         grads = []
         for g, layout in enumerate(self.layouts):
             self._works[g].wait()
@@ -304,7 +283,6 @@ class ZeroDataParallel:
                     param.grad = None
                 self.grad_flats[g] = None  # only the shard stays
                 grads.append(self.grad_shards[g])
-        self._active = False
         self.shard_opt.set_grads(grads)
 
     def step(self, max_grad_norm: float | None) -> None:
