@@ -290,7 +290,7 @@ class Program:
                     for param, offset in zip(layout.params, layout.offsets):
                         value = state_dict[self._key_of[id(param)]]
                         full[offset : offset + value.numel()].copy_(value.reshape(-1))
-                    shard.copy_(full[layout.lo : layout.lo + layout.shard_numel])
+                    shard.copy_(layout.own(full))
         if self._trainer is not None and self.plan.zero > 0:
             self._trainer.shard_opt.reload_masters()
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "same_view"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,10 +41,6 @@ class CommCounter:
     def _count(self, op: str, nbytes: int) -> None:
         self.calls[op] += 1
         self.volume_bytes[op] += nbytes
-
-    @property
-    def total_volume(self) -> int:
-        return sum(self.volume_bytes.values())
 
     def reset(self) -> None:
         self.calls.clear()
@@ -80,7 +76,7 @@ class CommCounter:
         me = dist.get_rank()
         for rank, chunk in self._chunks(inp):
             dist.reduce(chunk, dst=rank, group=self.group)
-            if rank == me and not _overlaps(out, chunk):
+            if rank == me and not same_view(out, chunk):
                 out.copy_(chunk)
         return _Done()
 
@@ -98,11 +94,17 @@ class CommCounter:
             )
         me = dist.get_rank()
         for rank, chunk in self._chunks(out):
-            if rank == me and not _overlaps(chunk, inp):
+            if rank == me and not same_view(chunk, inp):
                 chunk.copy_(inp)
             dist.broadcast(chunk, src=rank, group=self.group)
         return _Done()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share storage (a native collective must not read what it writes)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the very same memory (so copying one into the other is a no-op)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

@@ -44,9 +44,9 @@ class InOrderLauncher:
         self._pending = list(self.sizes)
         self._next = 0
         self._active = False
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad)) for params in groups for p in params
-        ]
+        for params in groups:
+            for p in params:
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad))
 
     def reset(self) -> None:
         """Before a backward."""
@@ -71,11 +71,6 @@ class InOrderLauncher:
         """After backward: launch the groups still waiting (parameters that got no gradient)."""
         self._launch_ready(force=True)
         self._active = False
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
 
 class BucketedGradSync:
@@ -133,9 +128,6 @@ class BucketedGradSync:
             for param in bucket.params:
                 if id(param) not in self.launcher.arrived:
                     param.grad = None  # unused this step: like single-device training, no gradient
-
-    def remove(self) -> None:
-        self.launcher.remove()
 
 
 class DataParallelTrainer:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import PlanError
-from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.comm import CommCounter, same_view
 from autoshard.runtime.grad_sync import InOrderLauncher
 from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes
 
@@ -97,9 +97,13 @@ class FlatLayout:
             flat[offset : offset + source.numel()].copy_(source.reshape(-1))
         return flat
 
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a flat (padded) buffer laid out like this group."""
+        return flat[self.lo : self.lo + self.shard_numel]
+
     def master_shard(self, values: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
         """This rank's slice of the fp32 master values."""
-        return self.flatten(torch.float32, device, values)[self.lo : self.lo + self.shard_numel].clone()
+        return self.own(self.flatten(torch.float32, device, values)).clone()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
@@ -184,7 +188,9 @@ class ShardOptimizer:
                 m.grad.mul_(coef.to(m.grad.device))
         return total
 
-    def step(self) -> None:
+    def step(self, max_grad_norm: float | None = None) -> None:
+        if max_grad_norm is not None:
+            self.clip_grad_norm(max_grad_norm)
         self.optimizer.step()
         if self.separate:
             with torch.no_grad():
@@ -223,7 +229,7 @@ class ZeroDataParallel:
                 param.data = view  # the model's parameters now live in the flat buffer
             self.flats.append(flat)
         self.dp = layouts[0].dp if layouts else 1
-        owned = [flat[lay.lo : lay.lo + lay.shard_numel] for flat, lay in zip(self.flats, layouts)]
+        owned = [lay.own(flat) for flat, lay in zip(self.flats, layouts)]
         masters = (
             [lay.master_shard(master_values, f.device) for lay, f in zip(layouts, self.flats)]
             if master_values
@@ -234,8 +240,8 @@ class ZeroDataParallel:
         self.grad_flats: list[torch.Tensor | None] = [
             torch.zeros_like(flat) if stage == 1 else None for flat in self.flats
         ]
-        # Reduce-scatter outputs: kept by stage 2 (its gradient shard), temporary for stage 1, whose
-        # reduced slice is copied into the full buffer it keeps anyway.
+        # Reduce-scatter outputs: kept by stage 2 (its gradient shard). Stage 1 keeps the full buffer
+        # and takes its own chunk of it (reduced there in place on gloo, copied there otherwise).
         self.grad_shards: list[torch.Tensor | None] = [None] * len(layouts)
         self._works: list[Any] = [None] * len(layouts)
         self.launcher = InOrderLauncher([lay.params for lay in layouts], self._launch)
@@ -259,7 +265,7 @@ class ZeroDataParallel:
         layout = self.layouts[g]
         if self.stage == 1 and self.comm.reduces_in_place():
             # Stage 1 keeps the full buffer: its own chunk receives the result, no extra shard.
-            self.grad_shards[g] = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
+            self.grad_shards[g] = layout.own(self.grad_flats[g])
         elif self.grad_shards[g] is None:
             self.grad_shards[g] = self.grad_flats[g].new_empty(layout.shard_numel)
         self.grad_flats[g].div_(self.dp)
@@ -273,8 +279,8 @@ class ZeroDataParallel:
             self._works[g].wait()
             self._works[g] = None
             if self.stage == 1:
-                owned = self.grad_flats[g][layout.lo : layout.lo + layout.shard_numel]
-                if self.grad_shards[g].data_ptr() != owned.data_ptr():
+                owned = layout.own(self.grad_flats[g])
+                if not same_view(owned, self.grad_shards[g]):
                     owned.copy_(self.grad_shards[g])
                 self.grad_shards[g] = None
                 grads.append(owned)
@@ -286,13 +292,11 @@ class ZeroDataParallel:
         self.shard_opt.set_grads(grads)
 
     def step(self, max_grad_norm: float | None) -> None:
-        if max_grad_norm is not None:
-            self.shard_opt.clip_grad_norm(max_grad_norm)
-        self.shard_opt.step()
-        works = []
-        for flat, layout in zip(self.flats, self.layouts):
-            owned = flat[layout.lo : layout.lo + layout.shard_numel]
-            works.append(self.comm.all_gather(flat, owned, async_op=True, in_place=True))
+        self.shard_opt.step(max_grad_norm)
+        works = [
+            self.comm.all_gather(flat, layout.own(flat), async_op=True, in_place=True)
+            for flat, layout in zip(self.flats, self.layouts)
+        ]
         for work in works:
             work.wait()
 
@@ -371,7 +375,7 @@ class Zero3Runtime(nn.Module):
             first = layout.params[0]
             dtype = first.dtype
             flat = layout.flatten(dtype, first.device)
-            self.shards.append(nn.Parameter(flat[layout.lo : layout.lo + layout.shard_numel].clone()))
+            self.shards.append(nn.Parameter(layout.own(flat).clone()))
             del flat
             full = torch.empty(layout.padded, dtype=dtype, device=first.device)
             full.untyped_storage().resize_(0)
@@ -489,9 +493,7 @@ class Zero3Trainer:
         self.shard_opt.set_grads(grads)
 
     def step(self, max_grad_norm: float | None) -> None:
-        if max_grad_norm is not None:
-            self.shard_opt.clip_grad_norm(max_grad_norm)
-        self.shard_opt.step()
+        self.shard_opt.step(max_grad_norm)
         self.runtime.grad_shards = [None] * len(self.runtime.layouts)
 
     def memory(self) -> dict[str, int]:
