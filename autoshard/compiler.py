@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,8 @@ from autoshard.mesh import Mesh
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner import DeviceSpec, choose_plan
 from autoshard.program import Program
+from autoshard.runtime.pipeline import gradient_owners
+from autoshard.schedules import Schedule, ScheduleError, build_schedule
 
 __all__ = ["compile"]
 
@@ -44,7 +45,7 @@ def _resolve_plan(plan: Any) -> dict[str, Any]:
     if isinstance(plan, str) and plan == "auto":
         return {}
     if isinstance(plan, Plan):
-        return dataclasses.asdict(plan)
+        return {name: getattr(plan, name) for name in Plan.field_names()}  # asdict would unpack a Schedule
     if isinstance(plan, dict):
         Plan.check_overrides(plan)
         return dict(plan)
@@ -57,6 +58,35 @@ def _check_batch(batch: int, dp: int) -> None:
             f"the example global batch of {batch} rows is not divisible by dp={dp}; "
             f"use a global batch that is a multiple of {dp}"
         )
+
+
+def _build_pipeline(
+    gm: torch.fx.GraphModule, plan: Plan, sizes: dict[str, int], results: list[passes.PassResult]
+) -> tuple[Schedule, list[passes.pipeline_stages.StageGraph]]:
+    """Validate the schedule, cut the graph into stages, and bucket each stage's gradients."""
+    if isinstance(plan.schedule, Schedule):
+        schedule = plan.schedule
+        if schedule.pp != plan.pp:
+            raise ScheduleError(f"the custom schedule has {schedule.pp} ranks but pp={plan.pp}; write one row per rank")
+        schedule.validate()
+    else:
+        schedule = build_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    rows = sizes["B"] // plan.dp
+    if rows % plan.microbatches:
+        raise PlanError(
+            f"microbatches={plan.microbatches} does not divide the {rows} rows each dp rank gets of the example "
+            f"batch; use a divisor of {rows}, or a global batch divisible by dp x microbatches = "
+            f"{plan.dp * plan.microbatches}"
+        )
+    n_stages = plan.pp * plan.virtual_stages
+    cuts = list(plan.pp_cuts) if plan.pp_cuts is not None else None
+    results.append(passes.pipeline_split.run(gm, n_stages, sizes, cuts))
+    stages, result = passes.pipeline_stages.run(gm, n_stages)
+    results.append(result)
+    owners = gradient_owners(schedule, {s.stage: s.parameter_targets for s in stages})
+    for stage in stages:
+        results.append(passes.grad_buckets.run(stage.gm, plan.bucket_bytes, owners[stage.stage]))
+    return schedule, stages
 
 
 def compile(  # noqa: A001 - the public name of the compiler entry point
@@ -115,7 +145,11 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     chosen = report.winner
     chosen.check_implemented()
     _check_batch(captured.example_sizes["B"], chosen.dp)
-    results.append(passes.grad_buckets.run(captured.gm, chosen.bucket_bytes))
+    schedule, stages = None, None
+    if chosen.pp > 1:
+        schedule, stages = _build_pipeline(captured.gm, chosen, captured.example_sizes, results)
+    else:
+        results.append(passes.grad_buckets.run(captured.gm, chosen.bucket_bytes))
     if chosen.zero == 3:
         results.append(passes.zero_groups.run(captured.gm))
         results.append(passes.zero3_gather_free.run(captured.gm))
@@ -129,5 +163,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         cost=cost,
         optimizer_factory=optimizer,
         master_values=master_values,
+        schedule=schedule,
+        stages=stages,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )

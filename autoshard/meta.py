@@ -26,6 +26,8 @@ __all__ = [
     "FlatSlot",
     "NodeCost",
     "NodeShape",
+    "PIPE",
+    "PipeSlot",
     "TensorShape",
     "Zero3Gather",
     "evaluate_expr",
@@ -45,6 +47,7 @@ GRAD_BUCKET = "autoshard.grad_bucket"  # written by passes.grad_buckets
 ZERO_GROUP = "autoshard.zero_group"  # written by passes.zero_groups
 ZERO3 = "autoshard.zero3"  # written by passes.zero3_gather_free
 STAGE = "autoshard.stage"  # written by passes.pipeline_split
+PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
 
 
 def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
@@ -132,6 +135,16 @@ class Zero3Gather:
     targets: tuple[str, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PipeSlot:
+    """A recv or send node of a stage graph: which boundary tensor, from or to which stage."""
+
+    stage: int
+    peer: int
+    slot: int
+    direction: str  # "recv" or "send"
 
 
 def _require(node: fx.Node, key: str, pass_name: str) -> Any:

@@ -10,6 +10,7 @@ import torch
 
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
+from autoshard.schedules import Schedule
 
 __all__ = ["SCHEDULES", "Plan", "is_mixed_precision"]
 
@@ -33,8 +34,11 @@ class Plan:
     dp, tp, pp        data, tensor and pipeline parallel degrees; their product is the world size
     zero              ZeRO stage over the dp group (0: plain data parallel)
     offload           keep optimizer state and its update on the CPU
-    schedule          pipeline schedule, one of SCHEDULES (used when pp > 1)
-    microbatches      microbatches per step (pipeline)
+    schedule          pipeline schedule (used when pp > 1): one of SCHEDULES, or a Schedule of your own
+                      (autoshard.schedules.Schedule.parse("rank 0: 0F0 0B0 ...")), validated at compile
+    microbatches      microbatches per step (pipeline); each dp rank's batch must divide into them
+    virtual_stages    stages per pipeline rank (interleaved 1F1B); the model is cut into pp * virtual_stages
+    pp_cuts           names of the blocks that start stages 1.. (e.g. ("transformer.h.6",)); None: balanced
     bucket_mb         size of a data-parallel gradient bucket in MiB
     max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
     param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
@@ -46,21 +50,38 @@ class Plan:
     pp: int = 1
     zero: int = 0
     offload: bool = False
-    schedule: str = "1f1b"
+    schedule: str | Schedule = "1f1b"
     microbatches: int = 1
+    virtual_stages: int = 1
+    pp_cuts: tuple[str, ...] | None = None
     bucket_mb: float = 25.0
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatches"):
+        if isinstance(self.schedule, Schedule):
+            # A schedule of one's own fixes the microbatches and virtual stages.
+            object.__setattr__(self, "microbatches", self.schedule.microbatches)
+            object.__setattr__(self, "virtual_stages", self.schedule.virtual_stages)
+        elif self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"plan field schedule={self.schedule!r} must be one of {SCHEDULES} or an autoshard.schedules.Schedule"
+            )
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
+        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "custom"):
+            raise PlanError(
+                f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
+                f"schedule='interleaved_1f1b' runs; use that schedule or virtual_stages=1"
+            )
+        if self.pp_cuts is not None:
+            if isinstance(self.pp_cuts, str) or not all(isinstance(c, str) for c in self.pp_cuts):
+                raise PlanError(f"plan field pp_cuts={self.pp_cuts!r} must be a list of block names")
+            object.__setattr__(self, "pp_cuts", tuple(self.pp_cuts))  # hashable, printable
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"plan field zero={self.zero!r} must be one of 0, 1, 2, 3")
         if not isinstance(self.offload, bool):
             raise PlanError(f"plan field offload={self.offload!r} must be True or False")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan field schedule={self.schedule!r} must be one of {SCHEDULES}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
             raise PlanError(f"plan field bucket_mb={self.bucket_mb!r} must be a positive number of MiB")
         if self.max_grad_norm is not None and (
@@ -80,6 +101,10 @@ class Plan:
             raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
 
     @property
+    def schedule_name(self) -> str:
+        return "custom" if isinstance(self.schedule, Schedule) else self.schedule
+
+    @property
     def mesh(self) -> Mesh:
         return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
 
@@ -96,8 +121,8 @@ class Plan:
         missing = []
         if self.tp > 1:
             missing.append(f"tensor parallelism (tp={self.tp})")
-        if self.pp > 1:
-            missing.append(f"pipeline parallelism (pp={self.pp})")
+        if self.pp > 1 and self.zero > 0:
+            missing.append(f"ZeRO with pipeline parallelism (zero={self.zero}, pp={self.pp})")
         return missing
 
     def check_implemented(self) -> None:
@@ -105,7 +130,7 @@ class Plan:
         if missing:
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
-                f"it implements data parallelism and ZeRO: use tp=1, pp=1"
+                f"it implements data parallelism, ZeRO (with pp=1) and pipeline parallelism (with zero=0): use tp=1"
             )
 
     @classmethod
@@ -123,7 +148,11 @@ class Plan:
         if self.offload:
             parts.append("offload")
         if self.pp > 1:
-            parts += [f"schedule={self.schedule}", f"microbatches={self.microbatches}"]
+            parts += [f"schedule={self.schedule_name}", f"microbatches={self.microbatches}"]
+            if self.virtual_stages > 1:
+                parts.append(f"virtual_stages={self.virtual_stages}")
+            if self.pp_cuts is not None:
+                parts.append(f"pp_cuts={list(self.pp_cuts)}")
         parts.append(f"bucket={self.bucket_mb:g}MiB")
         if self.max_grad_norm is not None:
             parts.append(f"max_grad_norm={self.max_grad_norm:g}")

@@ -18,7 +18,7 @@ from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan, is_mixed_precision
 
-__all__ = ["Candidate", "DeviceSpec", "PlanReport", "choose_plan", "estimate"]
+__all__ = ["Candidate", "DeviceSpec", "PlanReport", "choose_plan", "default_microbatches", "estimate"]
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,24 @@ def estimate(plan: Plan, cost: ModelCost, device: DeviceSpec) -> tuple[int, floa
         per_layer = int(cost.activation_bytes) / max(1, len(cost.layers)) / plan.dp / 8
         volume = 4 * 2 * (plan.tp - 1) / plan.tp * per_layer * len(cost.layers)
         comm += volume / _bandwidth(mesh, "tp", device) + 4 * len(cost.layers) * device.latency_s
+    if plan.pp > 1:
+        # Each rank sends its stage's boundary activation forward and its gradient back, per microbatch;
+        # estimated like one layer's output (as for tp above). Not overlapped with compute.
+        boundary = int(cost.activation_bytes) / max(1, len(cost.layers)) / plan.dp / 8
+        comm += 2 * boundary / _bandwidth(mesh, "pp", device) + 2 * plan.microbatches * device.latency_s
     # Most data-parallel communication hides behind backward; count the part that cannot.
     step = compute + max(0.0, comm - 0.5 * compute)
     return memory, step
+
+
+def default_microbatches(local_rows: int, pp: int, schedule: Any) -> int:
+    """The most microbatches up to 4 x pp that divide a dp rank's rows (bubble (pp-1)/(m+pp-1) shrinks with m).
+
+    Interleaved 1F1B needs a multiple of pp; when none divides the rows, pp itself (compile then says why).
+    """
+    step = pp if schedule == "interleaved_1f1b" else 1
+    options = [m for m in range(step, 4 * pp + 1, step) if local_rows % m == 0]
+    return max(options) if options else step
 
 
 def _factorizations(world: int) -> list[tuple[int, int, int]]:
@@ -173,7 +188,11 @@ def choose_plan(
         for zero in zeros:
             if zero > 0 and dp == 1 and "zero" not in overrides:
                 continue
-            plan = Plan(**{**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero})
+            fields = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero}
+            if pp > 1 and "microbatches" not in overrides:
+                schedule = fields.get("schedule", "1f1b")
+                fields["microbatches"] = default_microbatches(sizes.get("B", 1) // dp, pp, schedule)
+            plan = Plan(**fields)
             memory, seconds = estimate(plan, evaluated, device)
             candidates.append(
                 Candidate(plan, memory, seconds, memory <= device.memory_bytes, tuple(plan.not_implemented()))
@@ -183,7 +202,17 @@ def choose_plan(
         best = min(candidates, key=lambda c: c.step_seconds)
         best.plan.check_implemented()  # raises, naming what is missing
     fitting = [c for c in runnable if c.fits]
-    if fitting:
+    # The rule of thumb: a model that fits one device with plain data parallelism trains data-parallel
+    # (ZeRO at most); splitting it by stages or tensors pays bubbles and activation traffic instead.
+    data_parallel = [c for c in fitting if c.plan.pp == 1 and c.plan.tp == 1]
+    if any(c.plan.zero == 0 for c in data_parallel):
+        winner = min(data_parallel, key=lambda c: c.step_seconds)
+        reason = (
+            f"the model fits {_gib(device.memory_bytes)} per rank with plain data parallelism, so data parallel: "
+            f"fastest predicted step among {len(data_parallel)} data-parallel candidate(s) "
+            f"({len(candidates) - 1} other candidate(s) considered)"
+        )
+    elif fitting:
         winner = min(fitting, key=lambda c: c.step_seconds)
         others = len(candidates) - 1
         reason = (

@@ -15,15 +15,24 @@ from autoshard.capture import Captured
 from autoshard.cost import ModelCost
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
-from autoshard.meta import GRAD_BUCKET, ZERO3, get_zero3_gather
-from autoshard.passes import zero3_gather_free
+from autoshard.meta import GRAD_BUCKET, ZERO3, get_shape, get_zero3_gather
+from autoshard.passes import pipeline_stages, zero3_gather_free
 from autoshard.placements import Placement, Replicate, Shard
 from autoshard.plan import Plan
 from autoshard.planner import PlanReport
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.grad_sync import BucketedGradSync, DataParallelTrainer
 from autoshard.runtime.optim import make_optimizer
+from autoshard.runtime.pipeline import (
+    PipelineChannel,
+    PipelineRunner,
+    PipelineStats,
+    PipelineTrainer,
+    StageIO,
+    TiedGroup,
+)
 from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
+from autoshard.schedules import Schedule
 
 __all__ = ["Program", "RankProgram"]
 
@@ -86,6 +95,8 @@ class Program:
         optimizer_factory: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] | None,
         analysis_log: list[str],
         master_values: dict[int, torch.Tensor] | None = None,
+        schedule: Schedule | None = None,
+        stages: list[pipeline_stages.StageGraph] | None = None,
     ) -> None:
         self.plan = plan
         self.mesh = plan.mesh
@@ -101,6 +112,16 @@ class Program:
         self._master_values = master_values  # fp32 starting values under mixed precision, until the trainer has them
         self._zero3: Zero3Runtime | None = None
         self._dp_group: dist.ProcessGroup | None = None
+        # Pipeline: the schedule, every stage's graph, and (under a process group) what this rank holds.
+        self.schedule = schedule
+        self._stages = stages or []
+        self._held: set[int] | None = None  # ids of the state tensors this rank keeps; None: all
+        self._full_shapes: dict[str, torch.Size] = {}
+        self._pp_ranks_of: dict[int, set[int]] = {}  # id(tensor) -> pipeline ranks whose stages read it
+        self._tied: list[TiedGroup] = []
+        self._pp_group: dist.ProcessGroup | None = None
+        self._p2p_group: dist.ProcessGroup | None = None
+        self._channel: PipelineChannel | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.comm = CommCounter()
@@ -116,6 +137,8 @@ class Program:
         if self._distributed:
             self._dp_group = self._make_dp_group()
             self.comm.group = self._dp_group
+            if plan.pp > 1:
+                self._setup_pipeline()
             self._broadcast_from_first_dp_rank()
         if plan.zero == 3:
             self._zero3 = Zero3Runtime(self._flat_layouts(ZERO3), self.comm)
@@ -126,8 +149,27 @@ class Program:
     # ---- inspection -------------------------------------------------------------------------
     @property
     def graph_modules(self) -> list[fx.GraphModule]:
-        """This rank's rewritten graph(s)."""
-        return [self._train_gm]
+        """This rank's rewritten graph(s): with pp > 1 the graphs of its pipeline stages."""
+        return self._graphs_of(self.rank)
+
+    @property
+    def captured_graph(self) -> fx.GraphModule:
+        """The whole model and loss as captured and analysed, before any per-rank rewrite splits it."""
+        return self._train_gm
+
+    def _graphs_of(self, rank: int) -> list[fx.GraphModule]:
+        if self.schedule is None:
+            return [self._train_gm]
+        return [s.gm for s in self._stages_of(rank)]
+
+    def _stages_of(self, rank: int) -> list[pipeline_stages.StageGraph]:
+        pp_rank = self.mesh.coords(rank)["pp"]
+        return [s for s in self._stages if self.schedule.rank_of(s.stage) == pp_rank]
+
+    @property
+    def pipeline_stats(self) -> PipelineStats | None:
+        """The last step's pipeline measurements on this rank (wall time, busy time, activations held)."""
+        return None if self._trainer is None or self.schedule is None else self._trainer.runner.stats
 
     @property
     def is_meta(self) -> bool:
@@ -142,7 +184,7 @@ class Program:
         if self._zero3 is not None:
             yield from ((f"zero3.shards.{g}", s) for g, s in enumerate(self._zero3.shards))
         else:
-            yield from self._params.items()
+            yield from ((n, p) for n, p in self._params.items() if self._held is None or id(p) in self._held)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from (p for _, p in self.named_parameters())
@@ -150,15 +192,20 @@ class Program:
     def for_rank(self, rank: int) -> RankProgram:
         """Rank ``rank``'s graphs and placements; works offline for any mesh size."""
         coords = self.mesh.coords(rank)
-        names = [
-            n.removeprefix(MODEL_PREFIX)
-            for n, _ in self._train_gm.named_parameters(remove_duplicate=False)
-            if n.startswith(MODEL_PREFIX)  # not the ZeRO-3 runtime's shards
-        ]
+        if self.schedule is not None:  # its stages' parameters only
+            targets = dict.fromkeys(t for s in self._stages_of(rank) for t in s.parameter_targets)
+            names = [t.removeprefix(MODEL_PREFIX) for t in targets]
+        else:
+            names = [
+                n.removeprefix(MODEL_PREFIX)
+                for n, _ in self._train_gm.named_parameters(remove_duplicate=False)
+                if n.startswith(MODEL_PREFIX)  # not the ZeRO-3 runtime's shards
+            ]
         # ZeRO-3 shards each parameter's flat group along the dp dimension.
         dp_placement = Shard(0) if self.plan.zero == 3 else Replicate()
         placements = {name: {"pp": Replicate(), "dp": dp_placement, "tp": Replicate()} for name in names}
-        return RankProgram(rank=rank, coords=coords, graph_modules=tuple(self.graph_modules), placements=placements)
+        graphs = tuple(self._graphs_of(rank))
+        return RankProgram(rank=rank, coords=coords, graph_modules=graphs, placements=placements)
 
     def explain(self) -> str:
         sizes = self.report.sizes
@@ -219,6 +266,8 @@ class Program:
         self._check_runnable("step()")
         trainer = self._ensure_trainer()
         flat = self._call.flatten_inputs(inputs, kwargs) + self._call.flatten_target(target)
+        if self.schedule is not None:
+            return self._pipeline_step(trainer, flat)
         trainer.prepare()
         loss = self._train_gm(*flat)[0]
         loss_sum = loss.detach().float().clone()
@@ -234,9 +283,25 @@ class Program:
             work.wait()
         return loss_sum.item() / self.plan.dp
 
+    def _pipeline_step(self, trainer: PipelineTrainer, flat: list[torch.Tensor]) -> float:
+        loss_sum = trainer.run(flat, self.plan.max_grad_norm)
+        self.last_step_memory = trainer.memory()
+        # The last stage's ranks hold the loss (summed over microbatches); one sum over all ranks shares it.
+        coords = self.mesh.coords(self.rank)
+        shared = torch.zeros((), dtype=torch.float64)
+        if loss_sum is not None and coords["tp"] == 0:
+            shared += loss_sum.double() / self.plan.microbatches
+        dist.all_reduce(shared)
+        return shared.item() / self.plan.dp
+
     def __call__(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> Any:
         """Forward only: the model's outputs for this rank's local inputs (non-tensor outputs are None)."""
         self._check_runnable("a forward call")
+        if self.schedule is not None:
+            raise DistributedError(
+                "forward-only calls are not implemented for pipeline programs (pp > 1): the model's outputs "
+                "live on the last stage; load program.full_state_dict() into the model to run it whole"
+            )
         if self._forward_gm is None:
             self._forward_gm = _forward_only(self._train_gm, self._call.n_inputs)
         outputs = self._forward_gm(*self._call.flatten_inputs(inputs, kwargs))
@@ -249,13 +314,15 @@ class Program:
             shards = {f"zero3.shards.{g}": s.detach() for g, s in enumerate(self._zero3.shards)}
             buffers = {k: t.detach() for k, t in self._state_tensors().items() if not isinstance(t, torch.nn.Parameter)}
             return shards | buffers
-        return {key: tensor.detach() for key, tensor in self._state_tensors().items()}
+        return {key: tensor.detach() for key, tensor in self._state_tensors().items() if self._holds(tensor)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """On rank 0 (or offline): the original model's keys and full shapes; elsewhere an empty dict.
 
         With ZeRO-3 this gathers the shards: call it on every rank.
         """
+        if self._held is not None:
+            return self._gather_pipeline_state()
         gathered: dict[int, torch.Tensor] = {}
         if self._zero3 is not None:
             for layout, tensors in zip(self._zero3.layouts, self._zero3.full_parameters()):
@@ -277,12 +344,12 @@ class Program:
         sharded = {id(p) for layout in self._zero3.layouts for p in layout.params} if self._zero3 else set()
         for key, tensor in tensors.items():
             value = state_dict[key]
-            shape = self._zero3_shape(tensor) if id(tensor) in sharded else tensor.shape
+            shape = self._zero3_shape(tensor) if id(tensor) in sharded else self._full_shapes.get(key, tensor.shape)
             if tuple(value.shape) != tuple(shape):
                 raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} here")
         with torch.no_grad():
             for key, tensor in tensors.items():
-                if id(tensor) not in sharded:
+                if id(tensor) not in sharded and self._holds(tensor):
                     tensor.copy_(state_dict[key])
             if self._zero3 is not None:
                 for layout, shard in zip(self._zero3.layouts, self._zero3.shards):
@@ -295,6 +362,96 @@ class Program:
             self._trainer.shard_opt.reload_masters()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        return self._held is None or id(tensor) in self._held
+
+    def _setup_pipeline(self) -> None:
+        """Groups, the channel, and this rank's share: its stages' tensors stay, the rest are released."""
+        mesh, schedule = self.mesh, self.schedule
+        # Every rank creates every group, in the same order.
+        for ranks in mesh.groups("pp"):
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self._pp_group = group
+        self._p2p_group = dist.new_group(list(range(mesh.size)))  # point to point only, apart from collectives
+        tensors = self._state_tensors()
+        for stage in self._stages:
+            for node in stage.gm.graph.nodes:
+                if node.op == "get_attr" and node.target != pipeline_stages.CHANNEL_ATTR:
+                    tensor = reduce(getattr, node.target.split("."), stage.gm)
+                    self._pp_ranks_of.setdefault(id(tensor), set()).add(schedule.rank_of(stage.stage))
+        tied: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        for param in self._params.values():
+            pp_ranks = self._pp_ranks_of.get(id(param), set())
+            if param.requires_grad and len(pp_ranks) > 1:
+                tied.setdefault(tuple(sorted(pp_ranks)), []).append(param)
+        for pp_ranks, params in sorted(tied.items()):
+            for dp in range(mesh.dp):
+                for tp in range(mesh.tp):
+                    ranks = [mesh.rank_of(pp=r, dp=dp, tp=tp) for r in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self._tied.append(TiedGroup(group, params))
+                        with torch.no_grad():  # the copies start equal, whatever each rank was given
+                            for param in params:
+                                dist.broadcast(param, src=ranks[0], group=group)
+        mine = mesh.coords(self.rank)["pp"]
+        self._held = {id(t) for t in tensors.values() if mine in self._pp_ranks_of.get(id(t), {mine})}
+        self._full_shapes = {key: t.shape for key, t in tensors.items()}
+        for tensor in tensors.values():
+            if id(tensor) not in self._held:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # another stage's
+        self._channel = PipelineChannel()
+        for stage in self._stages_of(self.rank):
+            stage.gm.add_submodule(pipeline_stages.CHANNEL_ATTR, self._channel)
+
+    def _pipeline_trainer(self) -> PipelineTrainer:
+        coords = self.mesh.coords(self.rank)
+        mine = self._stages_of(self.rank)
+        syncs = {s.stage: BucketedGradSync(self._flat_slots(GRAD_BUCKET, s.gm), self.comm, self.plan.dp) for s in mine}
+        params = list(self.parameters())
+        optimizer = make_optimizer(self._optimizer_factory, params)
+        inputs = [n for n in self._train_gm.graph.nodes if n.op == "placeholder"]
+        input_shapes = [next(iter(get_shape(n).tensors), None) for n in inputs]
+        runner = PipelineRunner(
+            stages={s.stage: StageIO(s.stage, s.gm, s.input_indices, s.recv, s.send) for s in mine},
+            schedule=self.schedule,
+            pp_rank=coords["pp"],
+            peer=lambda stage: self.mesh.rank_of(pp=self.schedule.rank_of(stage), dp=coords["dp"], tp=coords["tp"]),
+            channel=self._channel,
+            input_shapes=input_shapes,
+            group=self._p2p_group,
+            max_slots=max(len(s.send) for s in self._stages),
+        )
+        # A tied parameter counts once in the global norm: on the first pipeline rank that reads it.
+        norm_params = [p for p in params if min(self._pp_ranks_of.get(id(p), {coords["pp"]})) == coords["pp"]]
+        return PipelineTrainer(runner, syncs, optimizer, params, self._tied, norm_params, self._pp_group, self.comm)
+
+    def _gather_pipeline_state(self) -> dict[str, torch.Tensor]:
+        """Rank 0 receives every tensor from the first rank of the pipeline stage holding it."""
+        tensors = self._state_tensors()
+        owner = {}
+        for key, tensor in tensors.items():
+            pp_ranks = self._pp_ranks_of.get(id(tensor))
+            owner[key] = self.mesh.rank_of(pp=min(pp_ranks)) if pp_ranks else 0
+        out = {key: tensors[key].detach().clone() for key in tensors if owner[key] == 0} if self.rank == 0 else {}
+        for src in sorted(set(owner.values()) - {0}):
+            keys = [k for k in tensors if owner[k] == src]
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for key in keys:
+                by_dtype.setdefault(tensors[key].dtype, []).append(key)
+            for dtype, group_keys in by_dtype.items():
+                if self.rank == src:
+                    flat = torch.cat([tensors[k].detach().reshape(-1) for k in group_keys])
+                    dist.send(flat, dst=0, group=self._p2p_group)
+                elif self.rank == 0:
+                    numels = [self._full_shapes[k].numel() for k in group_keys]
+                    flat = torch.empty(sum(numels), dtype=dtype)
+                    dist.recv(flat, src=src, group=self._p2p_group)
+                    for key, piece in zip(group_keys, flat.split(numels)):
+                        out[key] = piece.view(self._full_shapes[key]).clone()
+        return {key: out[key] for key in tensors} if self.rank == 0 else {}
+
     def _zero3_shape(self, param: torch.Tensor) -> torch.Size:
         for layout in self._zero3.layouts:
             for p, shape in zip(layout.params, layout.shapes):
@@ -334,18 +491,19 @@ class Program:
                 f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
             )
 
-    def _flat_slots(self, key: str) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+    def _flat_slots(self, key: str, gm: fx.GraphModule | None = None) -> list[tuple[torch.nn.Parameter, int, int, int]]:
         """(parameter, group, offset, numel) as passes assigned them: GRAD_BUCKET or ZeRO-3's ZERO3."""
+        gm = gm if gm is not None else self._train_gm
         slots, seen = [], set()
-        for node in self._train_gm.graph.nodes:
+        for node in gm.graph.nodes:
             if key not in node.meta:
                 continue
             if key == ZERO3:
                 record = get_zero3_gather(node)
                 for target, offset, numel in zip(record.targets, record.offsets, record.numels):
-                    slots.append((self._train_gm.get_parameter(target), record.group, offset, numel))
+                    slots.append((gm.get_parameter(target), record.group, offset, numel))
                 continue
-            param = self._train_gm.get_parameter(node.target)
+            param = gm.get_parameter(node.target)
             if id(param) in seen:
                 continue
             seen.add(id(param))
@@ -365,7 +523,9 @@ class Program:
                 "step() needs an optimizer: compile(..., optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))"
             )
         zero = self.plan.zero
-        if zero == 0:
+        if self.schedule is not None:
+            self._trainer = self._pipeline_trainer()
+        elif zero == 0:
             sync = BucketedGradSync(self._flat_slots(GRAD_BUCKET), self.comm, self.plan.dp)
             optimizer = make_optimizer(factory, self.parameters())
             self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))

@@ -42,7 +42,7 @@ def bench_capture_llama_7b() -> None:
     start = time.perf_counter()
     program = autoshard.compile(model, 64, (ids,), {"labels": ids, "use_cache": False})
     seconds = time.perf_counter() - start
-    nodes = len(program.graph_modules[0].graph.nodes)
+    nodes = len(program.captured_graph.graph.nodes)
     report(
         f"compile Llama-2-7B on meta ({nodes} nodes, {program.cost.param_bytes / 4 / 1e9:.2f}B params)",
         f"{seconds:.1f} s",

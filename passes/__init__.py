@@ -10,7 +10,16 @@ from collections.abc import Mapping
 import sympy
 from torch import fx
 
-from . import cost_model, grad_buckets, layer_assign, pipeline_split, shape_prop, zero3_gather_free, zero_groups
+from . import (
+    cost_model,
+    grad_buckets,
+    layer_assign,
+    pipeline_split,
+    pipeline_stages,
+    shape_prop,
+    zero3_gather_free,
+    zero_groups,
+)
 from .infra import PassResult, check_graph
 
 __all__ = ["ANALYSES", "PassResult", "analyze", "check_graph"]
@@ -29,4 +38,4 @@ def analyze(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | No
     return results
 
 
-__all__ += ["grad_buckets", "pipeline_split", "zero3_gather_free", "zero_groups"]
+__all__ += ["grad_buckets", "pipeline_split", "pipeline_stages", "zero3_gather_free", "zero_groups"]

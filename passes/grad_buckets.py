@@ -12,6 +12,8 @@ A parameter reached through several get_attr nodes (tied weights) has one slot.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from torch import fx
 
 from autoshard.meta import GRAD_BUCKET, FlatSlot, get_shape
@@ -24,7 +26,8 @@ READS = ("autoshard.shape",)
 WRITES = (GRAD_BUCKET,)
 
 
-def run(gm: fx.GraphModule, bucket_bytes: int) -> PassResult:
+def run(gm: fx.GraphModule, bucket_bytes: int, targets: Container[str] | None = None) -> PassResult:
+    """``targets``: bucket only these parameters (by get_attr target); None: every trainable parameter."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -37,7 +40,7 @@ def run(gm: fx.GraphModule, bucket_bytes: int) -> PassResult:
             param = gm.get_parameter(node.target)
         except AttributeError:
             continue
-        if not param.requires_grad or not node.users:
+        if not param.requires_grad or not node.users or (targets is not None and node.target not in targets):
             continue
         key = id(param)
         use = min(position[user] for user in node.users)

@@ -68,8 +68,8 @@ def run(gm: fx.GraphModule, pp: int, sizes: dict[str, int], cuts: list[str] | No
         raise PlanError(f"pp={pp} must be at least 1")
     if pp > 1 and len(starts) < pp:
         raise PlanError(
-            f"pp={pp} needs at least {pp} repeated blocks to cut between, but the graph has {len(starts)}; "
-            f"use pp <= {max(1, len(starts))}"
+            f"{pp} pipeline stages (pp x virtual_stages) need at least {pp} repeated blocks to cut between, "
+            f"but the graph has {len(starts)}; use at most {max(1, len(starts))} stages"
         )
     costs = []
     for n in nodes:

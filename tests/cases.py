@@ -58,22 +58,23 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    layers = shape.get("layers", 2)
     if family == "gpt2":
         cfg = transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
     if family == "llama":
         cfg = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
+            num_hidden_layers=layers, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg)
     if family == "bert":
         cfg = transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+            num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
             vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, pad_token_id=0,
         )  # fmt: skip
@@ -278,6 +279,25 @@ def train_zero(
         "peak_gathered": zero3.peak_gathered_bytes if zero3 is not None else None,
         "group_bytes": [lay.padded * 4 for lay in zero3.layouts] if zero3 is not None else None,
         "graph": program.graph_modules[0].code,
+    }
+
+
+def train_pipeline(
+    rank: int, world_size: int, family: str, mesh: dict[str, int], plan: dict[str, Any], steps: int = 3, **shape: Any
+) -> dict[str, Any]:
+    """One rank of a pipeline run: losses, consolidated state, and the last step's pipeline measurements."""
+    case = build_case(family, steps, **shape)
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
+    losses, volumes = train_local_batches(program, case)
+    stats = program.pipeline_stats
+    return {
+        "losses": losses,
+        "state": program.full_state_dict(),
+        "peak_in_flight": stats.peak_in_flight,
+        "idle_fraction": stats.idle_fraction,
+        "param_names": [name for name, _ in program.named_parameters()],
+        "volumes": volumes,
+        "graphs": [gm.code for gm in program.graph_modules],
     }
 
 

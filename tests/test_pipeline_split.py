@@ -110,7 +110,10 @@ def test_fixed_cuts_by_layer_name() -> None:
     msg = "pp_cuts must name 1 block(s) that start stages 1..1, in order; ['blocks.9'] not usable"
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         pipeline_split.run(captured.gm, 2, captured.example_sizes, cuts=["blocks.9"])
-    msg = "pp=4 needs at least 4 repeated blocks to cut between, but the graph has 3; use pp <= 3"
+    msg = (
+        "4 pipeline stages (pp x virtual_stages) need at least 4 repeated blocks to cut between, "
+        "but the graph has 3; use at most 3 stages"
+    )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         pipeline_split.run(captured_stack(3).gm, 4, {"B": 4})
 

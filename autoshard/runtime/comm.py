@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ __all__ = ["CommCounter", "same_view"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_OWN = object()  # all_reduce's default: this counter's own group
 
 
 class _Done:
@@ -46,9 +50,10 @@ class CommCounter:
         self.calls.clear()
         self.volume_bytes.clear()
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, group: Any = _OWN) -> dist.Work | None:
+        """Sum over this counter's group, or over ``group`` (None: the default group)."""
         self._count("all_reduce", 2 * tensor.numel() * tensor.element_size())
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        return dist.all_reduce(tensor, group=self.group if group is _OWN else group, async_op=async_op)
 
     def _chunked(self, in_place: bool) -> bool:
         return in_place and self.reduces_in_place()

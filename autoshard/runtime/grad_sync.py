@@ -48,12 +48,12 @@ class InOrderLauncher:
             for p in params:
                 p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad))
 
-    def reset(self) -> None:
-        """Before a backward."""
+    def reset(self, armed: bool = True) -> None:
+        """Before a backward. Unarmed, arrivals are ignored until the next reset (earlier microbatches)."""
         self.arrived.clear()
         self._pending = list(self.sizes)
         self._next = 0
-        self._active = True
+        self._active = armed
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._active or id(param) in self.arrived:
@@ -102,14 +102,18 @@ class BucketedGradSync:
             bucket.views.append(bucket.buffer[offset : offset + numel].view_as(param))
         self.launcher = InOrderLauncher([b.params for b in self.buckets], self._launch)
 
-    def prepare(self) -> None:
-        """Before a backward: zero the buffers and point every ``.grad`` at its slot."""
+    def prepare(self, armed: bool = True) -> None:
+        """Before a backward: zero the buffers and point every ``.grad`` at its slot.
+
+        ``armed=False``: gradients accumulate without launching until ``launcher.reset()`` arms the
+        launcher before the last backward (pipeline microbatches).
+        """
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.work = None
             for param, view in zip(bucket.params, bucket.views):
                 param.grad = view
-        self.launcher.reset()
+        self.launcher.reset(armed)
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]

@@ -1,0 +1,387 @@
+"""Pipeline runtime: this rank's stage graphs run in the schedule's order, boundaries over send/recv.
+
+A forward action ``F(s, m)`` receives stage ``s``'s boundary tensors for microbatch ``m`` from the
+rank of stage ``s - 1``, runs the stage graph (its ``recv`` nodes read them, its ``send`` nodes
+hand over what goes on) and sends those to the rank of stage ``s + 1``. The backward action
+``B(s, m)`` receives the gradients of what was sent, runs autograd from the stage's sent tensors
+(the last stage: from its loss, scaled by 1/microbatches so that gradients are the mean over
+microbatches) and sends back the gradients of what was received.
+
+Sends are asynchronous and receives are posted one action ahead, so a rank waits only for data it
+needs now; the schedule's validator has shown that no rank waits forever. Every boundary tensor
+has its own tag, and its shape is known before it arrives: the stage graphs carry symbolic shapes,
+evaluated in the microbatch's sizes (``B``, ``S``), which every rank reads off its inputs.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard.errors import DistributedError, InputError
+from autoshard.meta import TensorShape, evaluate_expr
+from autoshard.runtime.optim import optimizer_state_bytes
+from autoshard.schedules import Action, Schedule
+
+__all__ = [
+    "PipelineChannel",
+    "PipelineRunner",
+    "PipelineStats",
+    "PipelineTrainer",
+    "StageIO",
+    "TiedGroup",
+    "UnboundChannel",
+    "gradient_owners",
+    "recv",
+    "send",
+    "size",
+]
+
+
+# ---- the graph's boundary ops -------------------------------------------------------------------
+def recv(pipe: PipelineChannel, stage: int, slot: int) -> torch.Tensor:
+    """A boundary tensor from the previous stage (received by the runtime before the stage runs)."""
+    return pipe.received(stage, slot)
+
+
+def send(pipe: PipelineChannel, stage: int, slot: int, value: torch.Tensor) -> None:
+    """Hand a boundary tensor to the runtime, which sends it to the next stage after the stage ran."""
+    pipe.sending(stage, slot, value)
+
+
+def size(pipe: PipelineChannel, expr: str) -> int:
+    """A size made on an earlier stage, evaluated in this microbatch's symbol values instead of sent."""
+    return pipe.size(expr)
+
+
+class UnboundChannel(nn.Module):
+    """The channel of a stage graph built for inspection; running it needs a Program's PipelineChannel."""
+
+    def _unbound(self, *_: Any) -> Any:
+        raise DistributedError(
+            "this stage graph was built for inspection; run it through a Program compiled under a process group"
+        )
+
+    received = sending = size = _unbound
+
+
+class PipelineChannel(nn.Module):
+    """What the current action's stage graph reads (received tensors, sizes) and writes (tensors to send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.sizes: dict[str, int] = {}
+        self._exprs: dict[str, sympy.Expr] = {}
+
+    def received(self, stage: int, slot: int) -> torch.Tensor:
+        return self.inputs[slot]
+
+    def sending(self, stage: int, slot: int, value: torch.Tensor) -> None:
+        self.outputs[slot] = value
+
+    def size(self, expr: str) -> int:
+        parsed = self._exprs.get(expr)
+        if parsed is None:
+            # Every name is a size symbol (plain sympify would read S as sympy's singleton registry).
+            names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z_]\w*", expr)}
+            parsed = self._exprs[expr] = sympy.sympify(expr, locals=names)
+        return evaluate_expr(parsed, self.sizes)
+
+
+# ---- the schedule runner ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageIO:
+    """What the runner needs of a stage graph: its module, inputs, and boundary shapes."""
+
+    stage: int
+    module: nn.Module
+    input_indices: tuple[int, ...]
+    recv: tuple[TensorShape, ...]
+    send: tuple[TensorShape, ...]
+
+
+@dataclass
+class PipelineStats:
+    """One step of this rank, measured: wall time of the schedule, time spent computing, activations held."""
+
+    step_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    peak_in_flight: int = 0
+    actions: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+@dataclass
+class _Held:
+    """A forward's boundary tensors, kept until its backward."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class _Posted:
+    buffers: list[torch.Tensor]
+    works: list[Any] = field(default_factory=list)
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        return self.buffers
+
+
+class PipelineRunner:
+    """Runs this rank's actions of a schedule for one step."""
+
+    def __init__(
+        self,
+        stages: dict[int, StageIO],
+        schedule: Schedule,
+        pp_rank: int,
+        peer: Callable[[int], int],
+        channel: PipelineChannel,
+        input_shapes: list[TensorShape | None],
+        group: dist.ProcessGroup | None,
+        max_slots: int,
+    ) -> None:
+        """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
+
+        ``max_slots``: the most tensors crossing any one cut (the same on every rank: tags derive from it).
+        """
+        self.stages = stages
+        self.schedule = schedule
+        self.actions = schedule.ranks[pp_rank]
+        self.peer = peer
+        self.channel = channel
+        self.input_shapes = input_shapes
+        self.group = group
+        self.n_stages = schedule.n_stages
+        self.microbatches = schedule.microbatches
+        self.max_slots = max_slots
+        self.stats = PipelineStats()
+        last_backward = {}
+        for i, action in enumerate(self.actions):
+            if action.kind == "B":
+                last_backward[action.stage] = i
+        self.final_backward = set(last_backward.values())  # positions of each stage's last backward
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def split(self, flat: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], dict[str, int]]:
+        """Cut every batch-major input into microbatches; bind the size symbols of one microbatch."""
+        m = self.microbatches
+        per_mb: list[list[torch.Tensor]] = [[] for _ in range(m)]
+        sizes: dict[str, int] = {}
+        for index, (tensor, shape) in enumerate(zip(flat, self.input_shapes)):
+            batch_major = shape is not None and shape.sizes and shape.sizes[0] == sympy.Symbol("B")
+            if batch_major:
+                rows = tensor.shape[0]
+                if rows % m:
+                    raise InputError(
+                        f"input {index} has {rows} rows on this rank, not divisible into {m} microbatches; "
+                        f"use a local batch that is a multiple of {m} (or plan microbatches dividing it)"
+                    )
+                chunks = tensor.split(rows // m)
+            else:
+                chunks = [tensor] * m
+            for mb, chunk in enumerate(chunks):
+                per_mb[mb].append(chunk)
+            if shape is not None:
+                for dim, expr in enumerate(shape.sizes):
+                    if isinstance(expr, sympy.Symbol):
+                        sizes[expr.name] = chunks[0].shape[dim]
+        return per_mb, sizes
+
+    # -- point to point ---------------------------------------------------------------------------
+    def _tag(self, boundary: int, backward: bool, microbatch: int, slot: int) -> int:
+        return ((boundary * 2 + backward) * self.microbatches + microbatch) * self.max_slots + slot
+
+    def _post(self, action: Action, sizes: dict[str, int]) -> _Posted | None:
+        """Post the receives an action needs: activations for F, gradients of sent tensors for B."""
+        io = self.stages[action.stage]
+        if action.kind == "F":
+            if action.stage == 0:
+                return None
+            shapes, src, boundary = io.recv, self.peer(action.stage - 1), action.stage - 1
+        else:
+            if action.stage == self.n_stages - 1:
+                return None
+            shapes = tuple(s for s in io.send if s.requires_grad)
+            src, boundary = self.peer(action.stage + 1), action.stage
+        posted = _Posted([torch.empty([evaluate_expr(d, sizes) for d in s.sizes], dtype=s.dtype) for s in shapes])
+        for slot, buffer in enumerate(posted.buffers):
+            tag = self._tag(boundary, action.kind == "B", action.microbatch, slot)
+            posted.works.append(dist.irecv(buffer, src=src, group=self.group, tag=tag))
+        return posted
+
+    def _send(self, tensors: list[torch.Tensor], dst_stage: int, boundary: int, backward: bool, mb: int) -> None:
+        dst = self.peer(dst_stage)
+        for slot, tensor in enumerate(tensors):
+            tag = self._tag(boundary, backward, mb, slot)
+            self._sends.append(dist.isend(tensor.detach().contiguous(), dst=dst, group=self.group, tag=tag))
+
+    # -- one step -----------------------------------------------------------------------------
+    def run(self, flat: list[torch.Tensor], before_final_backward: Callable[[int], None]) -> torch.Tensor | None:
+        """Run this rank's actions; returns the sum of the microbatch losses on the last stage's rank."""
+        per_mb, sizes = self.split(flat)
+        self.channel.sizes = sizes
+        self._sends: list[Any] = []
+        held: dict[tuple[int, int], _Held] = {}
+        loss_sum: torch.Tensor | None = None
+        stats = PipelineStats(actions=len(self.actions))
+        start = time.perf_counter()
+        posted = {0: self._post(self.actions[0], sizes)} if self.actions else {}
+        for i, action in enumerate(self.actions):
+            received = posted.pop(i).wait() if posted.get(i) is not None else []
+            posted.pop(i, None)
+            if i + 1 < len(self.actions):
+                posted[i + 1] = self._post(self.actions[i + 1], sizes)  # overlap the next receive with this action
+            began = time.perf_counter()
+            io = self.stages[action.stage]
+            if action.kind == "F":
+                for tensor, shape in zip(received, io.recv):
+                    tensor.requires_grad_(shape.requires_grad)
+                self.channel.inputs, self.channel.outputs = received, {}
+                loss = io.module(*(per_mb[action.microbatch][j] for j in io.input_indices))
+                outputs = [self.channel.outputs[slot] for slot in range(len(io.send))]
+                self.channel.inputs, self.channel.outputs = [], {}
+                if action.stage < self.n_stages - 1:
+                    self._send(outputs, action.stage + 1, action.stage, False, action.microbatch)
+                else:
+                    detached = loss.detach()
+                    loss_sum = detached.clone() if loss_sum is None else loss_sum + detached
+                held[(action.stage, action.microbatch)] = _Held(received, outputs, loss)
+                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
+            else:
+                if i in self.final_backward:
+                    before_final_backward(action.stage)
+                h = held.pop((action.stage, action.microbatch))
+                if action.stage == self.n_stages - 1:
+                    h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
+                else:
+                    pairs = [
+                        (out, grad)
+                        for out, grad in zip((o for o, s in zip(h.outputs, io.send) if s.requires_grad), received)
+                        if out.requires_grad
+                    ]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if action.stage > 0:
+                    grads = [
+                        t.grad if t.grad is not None else torch.zeros_like(t)
+                        for t, s in zip(h.inputs, io.recv)
+                        if s.requires_grad
+                    ]
+                    self._send(grads, action.stage - 1, action.stage - 1, True, action.microbatch)
+            stats.busy_seconds += time.perf_counter() - began
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        stats.step_seconds = time.perf_counter() - start
+        self.stats = stats
+        return loss_sum
+
+
+# ---- training -----------------------------------------------------------------------------------
+@dataclass
+class TiedGroup:
+    """Copies of one set of parameters on several pipeline ranks: their gradients are summed."""
+
+    group: dist.ProcessGroup
+    params: list[nn.Parameter]
+
+
+class PipelineTrainer:
+    """One step of a pipeline rank: the schedule, then data-parallel and tied-weight gradient sums, then the update.
+
+    Each local stage's parameters have their own bucketed data-parallel sync, armed just before that
+    stage's last backward, so the all-reduces overlap the rest of the schedule and see the gradients
+    of every microbatch.
+    """
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        syncs: dict[int, Any],
+        optimizer: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+        tied: list[TiedGroup],
+        norm_params: list[nn.Parameter],
+        pp_group: dist.ProcessGroup | None,
+        comm: Any,
+    ) -> None:
+        """``norm_params``: this rank's parameters that count in the global gradient norm (a tied copy once)."""
+        self.runner = runner
+        self.syncs = syncs
+        self.optimizer = optimizer
+        self.params = params
+        self.tied = tied
+        self.norm_params = norm_params
+        self.pp_group = pp_group
+        self.comm = comm
+
+    def run(self, flat: list[torch.Tensor], max_grad_norm: float | None) -> torch.Tensor | None:
+        for sync in self.syncs.values():
+            sync.prepare(armed=False)
+        loss_sum = self.runner.run(flat, lambda stage: self.syncs[stage].launcher.reset())
+        for sync in self.syncs.values():
+            sync.finish()
+        for tie in self.tied:
+            for param in tie.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self.comm.all_reduce(param.grad, group=tie.group)
+        if max_grad_norm is not None:
+            self._clip(max_grad_norm)
+        self.optimizer.step()
+        return loss_sum
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            square += g.detach().float().pow(2).sum()
+        dist.all_reduce(square, group=self.pp_group)
+        coef = max_norm / (square.sqrt() + 1e-6)
+        if coef < 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def memory(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for s in self.syncs.values() for b in s.buckets)
+        return {"parameters": params, "gradients": grads, "optimizer": optimizer_state_bytes(self.optimizer)}
+
+
+def gradient_owners(schedule: Schedule, stage_params: dict[int, tuple[str, ...]]) -> dict[int, set[str]]:
+    """Per stage, the parameters whose data-parallel sync it arms.
+
+    A parameter read by several stages on one rank (tied weights under interleaving) belongs to the
+    one whose last backward comes last on that rank: only then are all its gradients in.
+    """
+    owned: dict[int, set[str]] = {s: set() for s in stage_params}
+    for actions in schedule.ranks:
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind == "B"}
+        owner: dict[str, int] = {}
+        for stage in sorted(last, key=last.__getitem__):
+            for target in stage_params[stage]:
+                owner[target] = stage
+        for target, stage in owner.items():
+            owned[stage].add(target)
+    return owned

@@ -1,0 +1,172 @@
+"""Pipeline parallelism on real gloo ranks: equivalence with single-device training, per schedule (tier 2)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from cases import build_case, compile_case, train_pipeline, train_single_device
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autoshard
+from autoshard.schedules import Schedule, ScheduleError
+
+RTOL, ATOL = 1e-5, 1e-6
+
+# (mesh, plan, layers): pp 2 and 4 with each schedule, and dp2 x pp2.
+CONFIGS = {
+    "pp2-gpipe": ({"pp": 2}, {"schedule": "gpipe", "microbatches": 4}, 2),
+    "pp2-1f1b": ({"pp": 2}, {"schedule": "1f1b", "microbatches": 4}, 2),
+    "pp2-interleaved": ({"pp": 2}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}, 4),
+    "pp4-gpipe": ({"pp": 4}, {"schedule": "gpipe", "microbatches": 4}, 4),
+    "pp4-1f1b": ({"pp": 4}, {"schedule": "1f1b", "microbatches": 8}, 4),
+    "pp4-interleaved": ({"pp": 4}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}, 8),
+    "dp2xpp2-1f1b": ({"dp": 2, "pp": 2}, {"schedule": "1f1b", "microbatches": 2}, 2),
+}
+
+
+def check_equivalent(results: list[dict], family: str, **reference) -> None:
+    ref_losses, ref_state = train_single_device(family, **reference)
+    for result in results:  # every rank returns the global loss
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    state = results[0]["state"]
+    assert set(state) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_pipeline_matches_single_device(ranks, family: str, config: str) -> None:
+    mesh, plan, layers = CONFIGS[config]
+    world = mesh.get("dp", 1) * mesh["pp"]
+    results = ranks(world).run(train_pipeline, family, mesh, plan, layers=layers)
+    check_equivalent(results, family, layers=layers)
+    pp, m = mesh["pp"], plan["microbatches"]
+    v = plan.get("virtual_stages", 1)
+    for rank, result in enumerate(results):
+        stage_rank = rank // mesh.get("dp", 1)  # pp is the outermost mesh dimension
+        expected = {
+            "gpipe": m,  # every microbatch's activations are held until the backwards start
+            "1f1b": min(m, pp - stage_rank),  # at most pp in flight: warm-up pp - 1 - rank, then one more
+            "interleaved_1f1b": min(m * v, (pp - stage_rank - 1) * 2 + (v - 1) * pp + 1),
+        }[plan["schedule"]]
+        assert result["peak_in_flight"] == expected, (rank, result["peak_in_flight"], expected)
+        # Each rank holds its own stages' parameters, not the whole model.
+        assert 0 < len(result["param_names"]) < len(results[0]["state"])
+
+
+def test_tied_embedding_lives_on_first_and_last_stage(ranks) -> None:
+    results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, {"microbatches": 2}, steps=1)
+    names = [set(r["param_names"]) for r in results]
+    tied = {"transformer.wte.weight", "lm_head.weight"}  # one parameter, under either name
+    assert names[0] & tied and names[0] & tied == names[1] & tied
+    assert not any(n.startswith("transformer.h.1.") for n in names[0])
+    assert not any(n.startswith("transformer.h.0.") for n in names[1])
+
+
+def test_clipping_across_stages(ranks) -> None:
+    plan = {"microbatches": 2, "max_grad_norm": 0.05}
+    results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, plan)
+    check_equivalent(results, "gpt2", max_grad_norm=0.05)
+
+
+def test_stage_graphs_show_send_and_recv() -> None:
+    case = build_case("gpt2", layers=4)
+    program = compile_case(case, autoshard.Mesh(pp=4), plan={"microbatches": 2})
+    codes = [program.for_rank(r).graph_code() for r in range(4)]
+    assert "pipeline_recv" not in codes[0] and "pipeline_send(pipe, 0, 0," in codes[0]
+    for stage in (1, 2):
+        assert f"pipeline_recv(pipe, {stage}, 0)" in codes[stage]
+        assert f"pipeline_send(pipe, {stage}, 0," in codes[stage]
+    assert "pipeline_send" not in codes[3]
+    # Only the hidden state crosses a cut; batch and sequence sizes are evaluated, the causal mask recomputed.
+    assert "pipeline_recv(pipe, 1, 1)" not in codes[1]
+    assert "pipeline_size(pipe, 'S')" in codes[1]
+    assert "pipeline_stages: 4 stage graphs; 3 tensor(s) sent across cuts" in "\n".join(program.analysis_log)
+    assert "schedule=1f1b, microbatches=2" in str(program.plan)
+
+
+def compile_gpt2(plan: dict, mesh: autoshard.Mesh, layers: int = 2, batch: int = 8) -> autoshard.Program:
+    return compile_case(build_case("gpt2", layers=layers, batch=batch), mesh, plan=plan)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "plan", "layers", "message"),
+    [
+        (
+            {"pp": 2}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 3}, 4,
+            "interleaved 1F1B needs microbatches divisible by pp: 3 microbatches, pp=2; use a multiple of 2",
+        ),
+        (
+            {"pp": 2}, {"microbatches": 3}, 2,
+            "microbatches=3 does not divide the 8 rows each dp rank gets of the example batch; use a divisor of 8",
+        ),
+        (
+            {"pp": 2, "dp": 2}, {"microbatches": 8}, 2,
+            "microbatches=8 does not divide the 4 rows each dp rank gets of the example batch; use a divisor of 4",
+        ),
+        (
+            {"pp": 4}, {"microbatches": 2}, 2,
+            "4 pipeline stages (pp x virtual_stages) need at least 4 repeated blocks to cut between, "
+            "but the graph has 2; use at most 2 stages",
+        ),
+        (
+            {"pp": 2}, {"microbatches": 2, "virtual_stages": 2}, 4,
+            "virtual_stages=2 puts several stages on each rank, which only schedule='interleaved_1f1b' runs",
+        ),
+        (
+            {"pp": 2}, {"microbatches": 2, "zero": 1}, 2,
+            "asks for ZeRO with pipeline parallelism (zero=1, pp=2), which this version of autoshard does not",
+        ),
+        (
+            {"pp": 2}, {"microbatches": 2, "pp_cuts": ["transformer.h.7"]}, 2,
+            "pp_cuts must name 1 block(s) that start stages 1..1, in order; ['transformer.h.7'] not usable; "
+            "the blocks are ['transformer.h.1']",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_pipeline_plans_fail_at_compile(mesh: dict, plan: dict, layers: int, message: str) -> None:
+    with pytest.raises(autoshard.PlanError, match=re.escape(message)):
+        compile_gpt2(plan, autoshard.Mesh(**mesh), layers=layers)
+
+
+def test_custom_schedule_is_validated_before_any_rank_runs() -> None:
+    # Rank 0 waits for 1B0 before it has sent 0F1, which rank 1 needs first: a deadlock.
+    deadlock = Schedule.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
+    with pytest.raises(ScheduleError, match=re.escape("rule 3: custom deadlocks at time 1")):
+        compile_gpt2({"schedule": deadlock}, autoshard.Mesh(pp=2))
+    fine = Schedule.parse("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1")
+    program = compile_gpt2({"schedule": fine}, autoshard.Mesh(pp=2))
+    assert "schedule=custom, microbatches=2" in str(program.plan)
+    three = Schedule.parse("rank 0: 0F0 0B0\nrank 1: 1F0 1B0\nrank 2: 2F0 2B0")
+    with pytest.raises(ScheduleError, match=re.escape("the custom schedule has 3 ranks but pp=2")):
+        compile_gpt2({"schedule": three}, autoshard.Mesh(pp=2))
+
+
+def test_fixed_cuts_by_name_and_planner_microbatches() -> None:
+    program = compile_gpt2({"pp_cuts": ["transformer.h.3"]}, autoshard.Mesh(pp=2), layers=4)
+    assert "pp_cuts=['transformer.h.3']" in str(program.plan)
+    assert program.plan.microbatches == 8  # the most microbatches up to 4 x pp that divide the 8 rows
+    names = {n for n in program.for_rank(0).placements}
+    assert "transformer.h.2.mlp.c_fc.weight" in names and "transformer.h.3.mlp.c_fc.weight" not in names
+
+
+@settings(max_examples=6)
+@given(
+    depth=st.integers(2, 6),
+    pp=st.sampled_from([2, 4]),
+    microbatches=st.integers(1, 8),
+    schedule=st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]),
+)
+def test_random_pipelines_train_equivalently(ranks, depth: int, pp: int, microbatches: int, schedule: str) -> None:
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    if schedule == "interleaved_1f1b":
+        microbatches = pp * max(1, microbatches // pp)
+    depth = max(depth, pp * v)
+    sizes = tuple([16] + [24] * (depth - 1) + [4])
+    plan = {"schedule": schedule, "microbatches": microbatches, "virtual_stages": v}
+    results = ranks(pp).run(train_pipeline, "mlp", {"pp": pp}, plan, sizes=sizes, batch=2 * microbatches)
+    check_equivalent(results, "mlp", sizes=sizes, batch=2 * microbatches)
