@@ -332,11 +332,133 @@ def bench_zero_memory_table(ranks: int = 4) -> None:
             )
 
 
+class Blocks(torch.nn.Module):
+    """Identical MLP blocks: every pipeline stage costs the same, so the bubble is the schedule's alone."""
+
+    def __init__(self, blocks: int, width: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+PIPE = {"blocks": 8, "width": 256, "batch": 256, "microbatches": 8}
+
+
+def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, rounds: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    cfg = PIPE
+    mse = torch.nn.functional.mse_loss
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(cfg["batch"], cfg["width"], generator=gen), torch.randn(cfg["batch"], cfg["width"], generator=gen))
+        for _ in range(steps)
+    ]
+
+    def model() -> Blocks:
+        torch.manual_seed(0)
+        return Blocks(cfg["blocks"], cfg["width"])
+
+    plan = {"schedule": schedule, "microbatches": cfg["microbatches"]}
+    program = autoshard.compile(
+        model(),
+        autoshard.Mesh(pp=world_size),
+        example_inputs=(data[0][0],),
+        loss_fn=mse,
+        example_target=data[0][1],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        plan=plan,
+    )
+    # The same split for torch.distributed.pipelining: the blocks autoshard put on this rank.
+    mine = sorted({int(name.split(".")[1]) for name in program.for_rank(rank).placements})
+    stage_module = torch.nn.Sequential(*(model().blocks[i] for i in mine))
+    stage = pipelining.PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+    schedule_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+    theirs = schedule_cls(stage, n_microbatches=cfg["microbatches"], loss_fn=mse)
+    their_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+
+    def their_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        their_opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            theirs.step(x)
+        elif rank == world_size - 1:
+            theirs.step(target=y, losses=[])
+        else:
+            theirs.step()
+        their_opt.step()
+
+    def our_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        program.step(x, target=y)
+
+    timings: dict[str, list[float]] = {"autoshard": [], "torch": []}
+    idle, in_flight = [], 0
+    for fn in (our_step, their_step):  # warm-up
+        for x, y in data[:2]:
+            fn(x, y)
+    for _ in range(rounds):  # alternate, so drift hits both alike
+        for name, fn in (("autoshard", our_step), ("torch", their_step)):
+            dist.barrier()
+            start = time.perf_counter()
+            for x, y in data:
+                fn(x, y)
+                if name == "autoshard":
+                    idle.append(program.pipeline_stats.idle_fraction)
+                    in_flight = program.pipeline_stats.peak_in_flight
+            dist.barrier()
+            timings[name].append((time.perf_counter() - start) / len(data))
+    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight}
+
+
+def bench_pipeline(ranks: int = 4) -> None:
+    """Bubble and activations held per schedule, and step time vs torch.distributed.pipelining, on 4 ranks."""
+    cfg = PIPE
+    m = cfg["microbatches"]
+    for schedule in ("gpipe", "1f1b"):
+        with LocalRanks(ranks) as pool:
+            results = pool.run(_pipeline_vs_torch, schedule, steps=4, rounds=3)
+        bubble = (ranks - 1) / (m + ranks - 1)
+        idle = [r["idle"] for r in results]
+        report(
+            f"pp={ranks} {schedule}, m={m}: idle fraction per rank vs (p-1)/(m+p-1)",
+            " ".join(f"{x:.2f}" for x in idle),
+            f"formula {bubble:.3f}",
+            statistics.mean(idle) / bubble,
+            "within 0.8-1.2",
+        )
+        report(
+            f"pp={ranks} {schedule}, m={m}: peak microbatches in flight per rank",
+            " ".join(str(r["in_flight"]) for r in results),
+            f"{'m' if schedule == 'gpipe' else 'at most p'} = {m if schedule == 'gpipe' else ranks}",
+            max(r["in_flight"] for r in results) / (m if schedule == "gpipe" else ranks),
+            "1.0 gpipe, <= 1.0 1f1b",
+        )
+        ours = statistics.median(t for r in results for t in r["timings"]["autoshard"])
+        theirs = statistics.median(t for r in results for t in r["timings"]["torch"])
+        params = sum(p.numel() for p in Blocks(cfg["blocks"], cfg["width"]).parameters())
+        report(
+            f"pp={ranks} {schedule} step, {cfg['blocks']} blocks ({params / 1e6:.1f}M params), batch {cfg['batch']}, "
+            f"m={m} (gloo, CPU)",
+            f"{ours * 1e3:.1f} ms",
+            f"torch.distributed.pipelining {theirs * 1e3:.1f} ms",
+            ours / theirs,
+            "<= 1.0",
+        )
+
+
 BENCHMARKS = {
     "capture": bench_capture_llama_7b,
     "dp": bench_dp_vs_ddp,
     "zero": bench_zero_vs_torch,
     "zero-memory": bench_zero_memory_table,
+    "pipeline": bench_pipeline,
 }
 
 
