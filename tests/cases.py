@@ -294,6 +294,7 @@ def train_pipeline(
         "losses": losses,
         "state": program.full_state_dict(),
         "peak_in_flight": stats.peak_in_flight,
+        "microbatch_sizes": stats.microbatch_sizes,
         "idle_fraction": stats.idle_fraction,
         "param_names": [name for name, _ in program.named_parameters()],
         "volumes": volumes,

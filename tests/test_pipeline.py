@@ -54,6 +54,8 @@ def test_pipeline_matches_single_device(ranks, family: str, config: str) -> None
             "interleaved_1f1b": min(m * v, (pp - stage_rank - 1) * 2 + (v - 1) * pp + 1),
         }[plan["schedule"]]
         assert result["peak_in_flight"] == expected, (rank, result["peak_in_flight"], expected)
+        # Each stage ran on microbatches of the dp rank's rows, not on its whole batch.
+        assert result["microbatch_sizes"]["B"] == 8 // mesh.get("dp", 1) // m
         # Each rank holds its own stages' parameters, not the whole model.
         assert 0 < len(result["param_names"]) < len(results[0]["state"])
 

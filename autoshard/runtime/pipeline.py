@@ -118,6 +118,7 @@ class PipelineStats:
     busy_seconds: float = 0.0
     peak_in_flight: int = 0
     actions: int = 0
+    microbatch_sizes: dict[str, int] = field(default_factory=dict)  # symbol values of one microbatch
 
     @property
     def idle_fraction(self) -> float:
@@ -186,8 +187,10 @@ class PipelineRunner:
         m = self.microbatches
         per_mb: list[list[torch.Tensor]] = [[] for _ in range(m)]
         sizes: dict[str, int] = {}
+        split_any = False
         for index, (tensor, shape) in enumerate(zip(flat, self.input_shapes)):
-            batch_major = shape is not None and shape.sizes and shape.sizes[0] == sympy.Symbol("B")
+            first = shape.sizes[0] if shape is not None and shape.sizes else None
+            batch_major = isinstance(first, sympy.Symbol) and first.name == "B"
             if batch_major:
                 rows = tensor.shape[0]
                 if rows % m:
@@ -198,12 +201,17 @@ class PipelineRunner:
                 chunks = tensor.split(rows // m)
             else:
                 chunks = [tensor] * m
+            split_any = split_any or batch_major
             for mb, chunk in enumerate(chunks):
                 per_mb[mb].append(chunk)
             if shape is not None:
                 for dim, expr in enumerate(shape.sizes):
                     if isinstance(expr, sympy.Symbol):
                         sizes[expr.name] = chunks[0].shape[dim]
+        if m > 1 and not split_any:
+            raise InputError(
+                f"no input has the batch dimension B first, so the batch cannot be cut into {m} microbatches"
+            )
         return per_mb, sizes
 
     # -- point to point ---------------------------------------------------------------------------
@@ -242,7 +250,7 @@ class PipelineRunner:
         self._sends: list[Any] = []
         held: dict[tuple[int, int], _Held] = {}
         loss_sum: torch.Tensor | None = None
-        stats = PipelineStats(actions=len(self.actions))
+        stats = PipelineStats(actions=len(self.actions), microbatch_sizes=dict(sizes))
         start = time.perf_counter()
         posted = {0: self._post(self.actions[0], sizes)} if self.actions else {}
         for i, action in enumerate(self.actions):
