@@ -284,14 +284,17 @@ class Program:
         return loss_sum.item() / self.plan.dp
 
     def _pipeline_step(self, trainer: PipelineTrainer, flat: list[torch.Tensor]) -> float:
-        loss_sum = trainer.run(flat, self.plan.max_grad_norm)
+        loss_sum = trainer.run(flat)
         self.last_step_memory = trainer.memory()
-        # The last stage's ranks hold the loss (summed over microbatches); one sum over all ranks shares it.
+        # The last stage's ranks hold the loss (summed over microbatches); one sum over all ranks shares
+        # it, while the optimizer steps.
         coords = self.mesh.coords(self.rank)
         shared = torch.zeros((), dtype=torch.float64)
         if loss_sum is not None and coords["tp"] == 0:
             shared += loss_sum.double() / self.plan.microbatches
-        dist.all_reduce(shared)
+        work = dist.all_reduce(shared, async_op=True)
+        trainer.update(self.plan.max_grad_norm)
+        work.wait()
         return shared.item() / self.plan.dp
 
     def __call__(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> Any:
@@ -408,7 +411,11 @@ class Program:
     def _pipeline_trainer(self) -> PipelineTrainer:
         coords = self.mesh.coords(self.rank)
         mine = self._stages_of(self.rank)
-        syncs = {s.stage: BucketedGradSync(self._flat_slots(GRAD_BUCKET, s.gm), self.comm, self.plan.dp) for s in mine}
+        syncs = {}
+        if self.plan.dp > 1:
+            syncs = {
+                s.stage: BucketedGradSync(self._flat_slots(GRAD_BUCKET, s.gm), self.comm, self.plan.dp) for s in mine
+            }
         params = list(self.parameters())
         optimizer = make_optimizer(self._optimizer_factory, params)
         inputs = [n for n in self._train_gm.graph.nodes if n.op == "placeholder"]

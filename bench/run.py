@@ -348,7 +348,7 @@ class Blocks(torch.nn.Module):
         return x
 
 
-PIPE = {"blocks": 8, "width": 256, "batch": 256, "microbatches": 8}
+PIPE = {"blocks": 8, "width": 1024, "batch": 256, "microbatches": 8}
 
 
 def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, rounds: int) -> dict[str, Any]:
@@ -417,40 +417,47 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
     return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight}
 
 
-def bench_pipeline(ranks: int = 4) -> None:
-    """Bubble and activations held per schedule, and step time vs torch.distributed.pipelining, on 4 ranks."""
+def bench_pipeline() -> None:
+    """Bubble and activations held per schedule, and step time vs torch.distributed.pipelining.
+
+    4 ranks as asked; the 2 cores of the development machine are then oversubscribed, which stretches
+    every hand-over between ranks, so the bubble is also measured on 2 ranks (one core each).
+    """
     cfg = PIPE
     m = cfg["microbatches"]
-    for schedule in ("gpipe", "1f1b"):
-        with LocalRanks(ranks) as pool:
-            results = pool.run(_pipeline_vs_torch, schedule, steps=4, rounds=3)
-        bubble = (ranks - 1) / (m + ranks - 1)
-        idle = [r["idle"] for r in results]
-        report(
-            f"pp={ranks} {schedule}, m={m}: idle fraction per rank vs (p-1)/(m+p-1)",
-            " ".join(f"{x:.2f}" for x in idle),
-            f"formula {bubble:.3f}",
-            statistics.mean(idle) / bubble,
-            "within 0.8-1.2",
-        )
-        report(
-            f"pp={ranks} {schedule}, m={m}: peak microbatches in flight per rank",
-            " ".join(str(r["in_flight"]) for r in results),
-            f"{'m' if schedule == 'gpipe' else 'at most p'} = {m if schedule == 'gpipe' else ranks}",
-            max(r["in_flight"] for r in results) / (m if schedule == "gpipe" else ranks),
-            "1.0 gpipe, <= 1.0 1f1b",
-        )
-        ours = statistics.median(t for r in results for t in r["timings"]["autoshard"])
-        theirs = statistics.median(t for r in results for t in r["timings"]["torch"])
-        params = sum(p.numel() for p in Blocks(cfg["blocks"], cfg["width"]).parameters())
-        report(
-            f"pp={ranks} {schedule} step, {cfg['blocks']} blocks ({params / 1e6:.1f}M params), batch {cfg['batch']}, "
-            f"m={m} (gloo, CPU)",
-            f"{ours * 1e3:.1f} ms",
-            f"torch.distributed.pipelining {theirs * 1e3:.1f} ms",
-            ours / theirs,
-            "<= 1.0",
-        )
+    for ranks in (4, 2):
+        for schedule in ("gpipe", "1f1b"):
+            with LocalRanks(ranks) as pool:
+                results = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=5 if ranks == 4 else 1)
+            bubble = (ranks - 1) / (m + ranks - 1)
+            idle = [r["idle"] for r in results]
+            report(
+                f"pp={ranks} {schedule}, m={m}: idle fraction per rank vs (p-1)/(m+p-1)",
+                " ".join(f"{x:.2f}" for x in idle),
+                f"formula {bubble:.3f}",
+                statistics.mean(idle) / bubble,
+                "within 0.8-1.2",
+            )
+            if ranks == 2:
+                continue
+            report(
+                f"pp={ranks} {schedule}, m={m}: peak microbatches in flight per rank",
+                " ".join(str(r["in_flight"]) for r in results),
+                f"{'m' if schedule == 'gpipe' else 'at most p'} = {m if schedule == 'gpipe' else ranks}",
+                max(r["in_flight"] for r in results) / (m if schedule == "gpipe" else ranks),
+                "1.0 gpipe, <= 1.0 1f1b",
+            )
+            ours = statistics.median(t for r in results for t in r["timings"]["autoshard"])
+            theirs = statistics.median(t for r in results for t in r["timings"]["torch"])
+            params = sum(p.numel() for p in Blocks(cfg["blocks"], cfg["width"]).parameters())
+            report(
+                f"pp={ranks} {schedule} step, {cfg['blocks']} blocks ({params / 1e6:.1f}M params), "
+                f"batch {cfg['batch']}, m={m} (gloo, CPU)",
+                f"{ours * 1e3:.1f} ms",
+                f"torch.distributed.pipelining {theirs * 1e3:.1f} ms",
+                ours / theirs,
+                "<= 1.0",
+            )
 
 
 BENCHMARKS = {

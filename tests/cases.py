@@ -302,6 +302,35 @@ def train_pipeline(
     }
 
 
+def pipeline_state_roundtrip(rank: int, world_size: int) -> dict[str, Any]:
+    """Under pp=2: train a step, load the starting state back, and check that every rank holds it again."""
+    case = build_case("gpt2")
+    program = compile_case(case, autoshard.Mesh(pp=2), plan={"microbatches": 2})
+    start = program.full_state_dict()
+    held = {k: v.clone() for k, v in program.state_dict().items()}
+    batch = case.batches[0]
+    program.step(*batch.inputs, labels=batch.kwargs["labels"])
+    changed = any(not torch.equal(held[k], v) for k, v in program.state_dict().items())
+    everything = [None]
+    dist_broadcast_object(everything, start)
+    program.load_state_dict(everything[0])
+    restored = all(torch.equal(held[k], v) for k, v in program.state_dict().items())
+    try:
+        program(*batch.inputs)
+        forward = ""
+    except autoshard.DistributedError as err:
+        forward = str(err)
+    return {"changed": changed, "restored": restored, "held": sorted(held), "forward": forward}
+
+
+def dist_broadcast_object(box: list[Any], value: Any) -> None:
+    """Rank 0's ``value`` into ``box[0]`` on every rank."""
+    import torch.distributed as dist
+
+    box[0] = value
+    dist.broadcast_object_list(box, src=0)
+
+
 class Stack(nn.Module):
     """A model of identical blocks and nothing else: the pipeline balance reference."""
 

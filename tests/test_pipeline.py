@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cases import build_case, compile_case, train_pipeline, train_single_device
+from cases import build_case, compile_case, pipeline_state_roundtrip, train_pipeline, train_single_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,6 +67,15 @@ def test_tied_embedding_lives_on_first_and_last_stage(ranks) -> None:
     assert names[0] & tied and names[0] & tied == names[1] & tied
     assert not any(n.startswith("transformer.h.1.") for n in names[0])
     assert not any(n.startswith("transformer.h.0.") for n in names[1])
+
+
+def test_state_dict_round_trip_and_forward_calls(ranks) -> None:
+    first, last = ranks(2).run(pipeline_state_roundtrip)
+    assert first["changed"] and first["restored"] and last["changed"] and last["restored"]
+    # Each rank's state dict holds its own stages' tensors; together they cover the model.
+    assert any(k.startswith("transformer.h.0.") for k in first["held"])
+    assert not any(k.startswith("transformer.h.0.") for k in last["held"])
+    assert "forward-only calls are not implemented for pipeline programs (pp > 1)" in first["forward"]
 
 
 def test_clipping_across_stages(ranks) -> None:
