@@ -15,7 +15,7 @@ from autoshard.capture import Captured
 from autoshard.cost import ModelCost
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
-from autoshard.meta import GRAD_BUCKET, ZERO3, get_shape, get_zero3_gather
+from autoshard.meta import GRAD_BUCKET, LAYER, ZERO3, get_layer, get_shape, get_zero3_gather
 from autoshard.passes import pipeline_stages, zero3_gather_free
 from autoshard.placements import Placement, Replicate, Shard
 from autoshard.plan import Plan
@@ -238,6 +238,19 @@ class Program:
             )
         if self.mesh.size <= 16:
             lines += ["", "mesh:", self.mesh.table()]
+        if self.schedule is not None:
+            lines += ["", "pipeline stages:"]
+            for stage in self._stages:
+                layers = [get_layer(n) for n in stage.gm.graph.nodes if n.op == "get_attr" and LAYER in n.meta]
+                blocks = list(dict.fromkeys(x for x in layers if x.rsplit(".", 1)[-1].isdigit()))
+                span = f"{blocks[0]} .. {blocks[-1]}" if blocks else "no blocks"
+                lines.append(
+                    f"  stage {stage.stage} on pp rank {self.schedule.rank_of(stage.stage)}: {span}, "
+                    f"{len(stage.parameter_targets)} parameters; receives {len(stage.recv)}, "
+                    f"sends {len(stage.send)} tensor(s)"
+                )
+            if self.schedule.microbatches * self.schedule.virtual_stages <= 16:
+                lines += ["", self.schedule.table()]
         lines += ["", "passes:"] + [f"  {line}" for line in self.analysis_log]
         return "\n".join(lines)
 

@@ -98,6 +98,9 @@ def test_stage_graphs_show_send_and_recv() -> None:
     assert "pipeline_size(pipe, 'S')" in codes[1]
     assert "pipeline_stages: 4 stage graphs; 3 tensor(s) sent across cuts" in "\n".join(program.analysis_log)
     assert "schedule=1f1b, microbatches=2" in str(program.plan)
+    text = program.explain()
+    assert "stage 2 on pp rank 2: transformer.h.2 .. transformer.h.2, 12 parameters; receives 1, sends 1" in text
+    assert "1f1b: pp=4, microbatches=2, virtual stages=1\nrank 0: 0F0 0F1" in text  # the schedule's table
 
 
 def compile_gpt2(plan: dict, mesh: autoshard.Mesh, layers: int = 2, batch: int = 8) -> autoshard.Program:

@@ -268,8 +268,8 @@ class PipelineRunner:
         start = time.perf_counter()
         posted = {0: self._post(self.actions[0], sizes)} if self.actions else {}
         for i, action in enumerate(self.actions):
-            received = posted.pop(i).wait() if posted.get(i) is not None else []
-            posted.pop(i, None)
+            mine = posted.pop(i, None)
+            received = mine.wait() if mine is not None else []
             if i + 1 < len(self.actions):
                 posted[i + 1] = self._post(self.actions[i + 1], sizes)  # overlap the next receive with this action
             began = time.perf_counter()
