@@ -8,8 +8,9 @@ Cuts fall only where a repeated block begins (a layer whose name ends in an inde
 (embeddings: stage 0) or after the last (final norm, head, loss: the last stage). Among all such
 cuts the pass picks the ones that minimize the costliest stage (forward plus backward FLOPs at the
 example sizes, then parameter bytes to break ties), and among equally balanced cuts the one with
-the fewest tensors crossing a cut. ``cuts`` fixes the cuts by the names of the layers that start
-stages 1..pp-1 (``["transformer.h.6"]``).
+the fewest tensors crossing a cut. ``cuts`` fixes the cuts by the names of the blocks that start
+stages 1..pp-1 (``["transformer.h.6"]``), or of graph nodes (``["addmm_14"]``), which may cut inside
+a block.
 
 Stage assignment is monotone in graph order, so a value only flows to the same or a later stage:
 every boundary is a set of tensors sent forward (and their gradients sent back).
@@ -84,16 +85,20 @@ def run(gm: fx.GraphModule, pp: int, sizes: dict[str, int], cuts: list[str] | No
 
     candidates = [pos for _, pos in starts[1:]]  # cutting before the first block would leave a stage of embeddings
     if cuts is not None:
-        by_name = dict(starts)
-        unknown = [c for c in cuts if c not in by_name or by_name[c] == starts[0][1]]
+        # A cut names a block (the stage starts with it) or a compute node (the stage starts at it).
+        by_name = dict(starts[1:])
+        for i, node in enumerate(nodes):
+            if node.op == "call_function" and i > 0:
+                by_name.setdefault(node.name, i)
+        unknown = [c for c in cuts if c not in by_name]
         if len(cuts) != pp - 1 or unknown:
             raise PlanError(
-                f"pp_cuts must name {pp - 1} block(s) that start stages 1..{pp - 1}, in order; "
+                f"pp_cuts must name {pp - 1} block(s) or node(s) that start stages 1..{pp - 1}, in order; "
                 f"{unknown or cuts} not usable; the blocks are {[name for name, _ in starts[1:]]}"
             )
         chosen = [by_name[c] for c in cuts]
-        if chosen != sorted(chosen):
-            raise PlanError(f"pp_cuts {cuts} are not in graph order")
+        if chosen != sorted(set(chosen)):
+            raise PlanError(f"pp_cuts {cuts} are not in graph order (or cut twice at one place)")
     else:
         crossings = {pos: crossing_values(nodes, pos) for pos in candidates}
         chosen = _balanced_cuts(candidates, pp, len(nodes), span, crossings)

@@ -78,6 +78,15 @@ def test_state_dict_round_trip_and_forward_calls(ranks) -> None:
     assert "forward-only calls are not implemented for pipeline programs (pp > 1)" in first["forward"]
 
 
+def test_cut_inside_a_block_sends_several_tensors(ranks) -> None:
+    """Cut by node name before attention: the residual stream and q, k, v cross, each in its own slot."""
+    plan = {"microbatches": 2, "pp_cuts": ["scaled_dot_product_attention_1"]}
+    results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, plan)
+    check_equivalent(results, "gpt2")
+    assert "pipeline_recv(pipe, 1, 3)" in results[1]["graphs"][0]
+    assert "pipeline_send(pipe, 0, 3," in results[0]["graphs"][0]
+
+
 def test_clipping_across_stages(ranks) -> None:
     plan = {"microbatches": 2, "max_grad_norm": 0.05}
     results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, plan)
@@ -137,7 +146,7 @@ def compile_gpt2(plan: dict, mesh: autoshard.Mesh, layers: int = 2, batch: int =
         ),
         (
             {"pp": 2}, {"microbatches": 2, "pp_cuts": ["transformer.h.7"]}, 2,
-            "pp_cuts must name 1 block(s) that start stages 1..1, in order; ['transformer.h.7'] not usable; "
+            "pp_cuts must name 1 block(s) or node(s) that start stages 1..1, in order; ['transformer.h.7'] not usable; "
             "the blocks are ['transformer.h.1']",
         ),
     ],

@@ -107,7 +107,7 @@ def test_fixed_cuts_by_layer_name() -> None:
     captured = captured_stack(6)
     pipeline_split.run(captured.gm, 3, captured.example_sizes, cuts=["blocks.1", "blocks.5"])
     assert blocks_per_stage(captured.gm) == [1, 4, 1]
-    msg = "pp_cuts must name 1 block(s) that start stages 1..1, in order; ['blocks.9'] not usable"
+    msg = "pp_cuts must name 1 block(s) or node(s) that start stages 1..1, in order; ['blocks.9'] not usable"
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         pipeline_split.run(captured.gm, 2, captured.example_sizes, cuts=["blocks.9"])
     msg = (
