@@ -27,6 +27,24 @@ def test_torchrun_example_trains_on_two_ranks() -> None:
     assert "trained" in out.stdout
 
 
+def test_torchrun_pipeline_example_trains_on_two_ranks() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(
+        [*cmd, str(ROOT / "examples" / "train_pp.py"), "--steps", "3", "--schedule", "gpipe"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "plan: Plan(dp=1, tp=1, pp=2, zero=0, schedule=gpipe, microbatches=4, bucket=25MiB)" in out.stdout
+    assert "stage 1 on pp rank 1: blocks.2 .. blocks.3" in out.stdout
+    assert "rank 0: 0F0 0F1 0F2 0F3" in out.stdout  # the schedule's table
+    losses = [float(line.split("loss ")[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and "trained" in out.stdout
+
+
 def test_demo_matches_single_device(capsys) -> None:
     from autoshard.demo import main
 
