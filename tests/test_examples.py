@@ -10,17 +10,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_torchrun_example_trains_on_two_ranks() -> None:
+def torchrun_two_ranks(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = subprocess.run(
-        [*cmd, str(ROOT / "examples" / "train_dp.py"), "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+        [*cmd, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_torchrun_example_trains_on_two_ranks() -> None:
+    out = torchrun_two_ranks("train_dp.py", "--steps", "3")
     assert "plan: Plan(dp=2, tp=1, pp=1, zero=0, bucket=25MiB)" in out.stdout
     losses = [float(line.split("loss ")[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3
@@ -28,16 +29,7 @@ def test_torchrun_example_trains_on_two_ranks() -> None:
 
 
 def test_torchrun_pipeline_example_trains_on_two_ranks() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run(
-        [*cmd, str(ROOT / "examples" / "train_pp.py"), "--steps", "3", "--schedule", "gpipe"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun_two_ranks("train_pp.py", "--steps", "3", "--schedule", "gpipe")
     assert "plan: Plan(dp=1, tp=1, pp=2, zero=0, schedule=gpipe, microbatches=4, bucket=25MiB)" in out.stdout
     assert "stage 1 on pp rank 1: blocks.2 .. blocks.3" in out.stdout
     assert "rank 0: 0F0 0F1 0F2 0F3" in out.stdout  # the schedule's table
