@@ -442,6 +442,7 @@ class Program:
             input_shapes=input_shapes,
             group=self._p2p_group,
             max_slots=max(len(s.send) for s in self._stages),
+            comm=self.comm,
         )
         # A tied parameter counts once in the global norm: on the first pipeline rank that reads it.
         norm_params = [p for p in params if min(self._pp_ranks_of.get(id(p), {coords["pp"]})) == coords["pp"]]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cases import build_case, compile_case, pipeline_state_roundtrip, train_pipeline, train_single_device
+from cases import SEQ, build_case, compile_case, pipeline_state_roundtrip, train_pipeline, train_single_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +55,13 @@ def test_pipeline_matches_single_device(ranks, family: str, config: str) -> None
         }[plan["schedule"]]
         assert result["peak_in_flight"] == expected, (rank, result["peak_in_flight"], expected)
         # Each stage ran on microbatches of the dp rank's rows, not on its whole batch.
-        assert result["microbatch_sizes"]["B"] == 8 // mesh.get("dp", 1) // m
+        rows = result["microbatch_sizes"]["B"]
+        assert rows == 8 // mesh.get("dp", 1) // m
+        # Sent per step: the hidden state (rows x SEQ x 32 fp32) of every microbatch forward from each
+        # local stage but the last, and its gradient back from each but the first; nothing else.
+        stages = [s for s in range(pp * v) if s % pp == stage_rank]
+        sends = sum((s < pp * v - 1) + (s > 0) for s in stages)
+        assert result["volumes"][-1]["send"] == m * sends * rows * SEQ * 32 * 4
         # Each rank holds its own stages' parameters, not the whole model.
         assert 0 < len(result["param_names"]) < len(results[0]["state"])
 

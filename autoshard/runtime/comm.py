@@ -3,7 +3,8 @@
 Every collective autoshard issues goes through a CommCounter so that tests and benchmarks can
 check communication volume. ``volume`` uses the ZeRO paper's accounting, in bytes of the full
 tensor: an all-reduce moves 2x its size (a reduce-scatter plus an all-gather), a reduce-scatter
-or an all-gather 1x the full (unsharded) size.
+or an all-gather 1x the full (unsharded) size. The pipeline's point-to-point sends are recorded
+too, as "send", in bytes sent.
 
 gloo implements reduce-scatter and all-gather with temporaries the size of the full tensor (a
 16 MiB all-gather raised a rank's peak RSS by 16-48 MiB here). With ``in_place=True`` they run on
@@ -42,7 +43,8 @@ class CommCounter:
     calls: Counter = field(default_factory=Counter)
     volume_bytes: Counter = field(default_factory=Counter)
 
-    def _count(self, op: str, nbytes: int) -> None:
+    def count(self, op: str, nbytes: int) -> None:
+        """Record ``nbytes`` moved by ``op`` (the pipeline's point-to-point sends count as "send")."""
         self.calls[op] += 1
         self.volume_bytes[op] += nbytes
 
@@ -52,7 +54,7 @@ class CommCounter:
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, group: Any = _OWN) -> dist.Work | None:
         """Sum over this counter's group, or over ``group`` (None: the default group)."""
-        self._count("all_reduce", 2 * tensor.numel() * tensor.element_size())
+        self.count("all_reduce", 2 * tensor.numel() * tensor.element_size())
         return dist.all_reduce(tensor, group=self.group if group is _OWN else group, async_op=async_op)
 
     def _chunked(self, in_place: bool) -> bool:
@@ -75,7 +77,7 @@ class CommCounter:
 
         ``in_place``: ``inp`` may be overwritten (on gloo its other ranks' chunks are left undefined).
         """
-        self._count("reduce_scatter", inp.numel() * inp.element_size())
+        self.count("reduce_scatter", inp.numel() * inp.element_size())
         if not self._chunked(in_place):
             return _reduce_scatter(out, inp, group=self.group, async_op=async_op)
         me = dist.get_rank()
@@ -92,7 +94,7 @@ class CommCounter:
 
         ``in_place``: ``inp`` may be this rank's chunk of ``out`` itself.
         """
-        self._count("all_gather", out.numel() * out.element_size())
+        self.count("all_gather", out.numel() * out.element_size())
         if not self._chunked(in_place):
             return _all_gather(
                 out, inp if not _overlaps(out, inp) else inp.clone(), group=self.group, async_op=async_op

@@ -166,11 +166,14 @@ class PipelineRunner:
         input_shapes: list[TensorShape | None],
         group: dist.ProcessGroup | None,
         max_slots: int,
+        comm: Any = None,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
         ``max_slots``: the most tensors crossing any one cut (the same on every rank: tags derive from it).
+        ``comm``: a CommCounter that records the bytes sent.
         """
+        self.comm = comm
         self.stages = stages
         self.schedule = schedule
         self.actions = schedule.ranks[pp_rank]
@@ -254,6 +257,8 @@ class PipelineRunner:
         dst = self.peer(dst_stage)
         for slot, tensor in enumerate(tensors):
             tag = self._tag(boundary, backward, mb, slot)
+            if self.comm is not None:
+                self.comm.count("send", tensor.numel() * tensor.element_size())
             self._sends.append(dist.isend(tensor.detach().contiguous(), dst=dst, group=self.group, tag=tag))
 
     # -- one step -----------------------------------------------------------------------------
