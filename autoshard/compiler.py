@@ -48,6 +48,14 @@ def _resolve_plan(plan: Any) -> dict[str, Any]:
         return {name: getattr(plan, name) for name in Plan.field_names()}  # asdict would unpack a Schedule
     if isinstance(plan, dict):
         Plan.check_overrides(plan)
+        schedule = plan.get("schedule")
+        if isinstance(schedule, Schedule):
+            for name in ("microbatches", "virtual_stages"):
+                if name in plan and plan[name] != getattr(schedule, name):
+                    raise PlanError(
+                        f"plan asks for {name}={plan[name]} but its schedule has {getattr(schedule, name)}; "
+                        f"drop {name} from the plan (the schedule sets it)"
+                    )
         return dict(plan)
     raise PlanError(f'plan must be "auto", an autoshard.Plan, or a dict of Plan fields, got {plan!r}')
 

@@ -38,7 +38,7 @@ class Plan:
                       (autoshard.schedules.Schedule.parse("rank 0: 0F0 0B0 ...")), validated at compile
     microbatches      microbatches per step (pipeline); each dp rank's batch must divide into them
     virtual_stages    stages per pipeline rank (interleaved 1F1B); the model is cut into pp * virtual_stages
-    pp_cuts           names of the blocks that start stages 1.. (e.g. ("transformer.h.6",)); None: balanced
+    pp_cuts           names of the blocks (or graph nodes) that start stages 1.. (("transformer.h.6",)); None: balanced
     bucket_mb         size of a data-parallel gradient bucket in MiB
     max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
     param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
@@ -60,7 +60,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Schedule):
-            # A schedule of one's own fixes the microbatches and virtual stages.
+            # A schedule of one's own fixes the microbatches and virtual stages (compile refuses a
+            # plan that asks for other numbers alongside it).
             object.__setattr__(self, "microbatches", self.schedule.microbatches)
             object.__setattr__(self, "virtual_stages", self.schedule.virtual_stages)
         elif self.schedule not in SCHEDULES:
@@ -76,7 +77,7 @@ class Plan:
             )
         if self.pp_cuts is not None:
             if isinstance(self.pp_cuts, str) or not all(isinstance(c, str) for c in self.pp_cuts):
-                raise PlanError(f"plan field pp_cuts={self.pp_cuts!r} must be a list of block names")
+                raise PlanError(f"plan field pp_cuts={self.pp_cuts!r} must be a list of block or node names")
             object.__setattr__(self, "pp_cuts", tuple(self.pp_cuts))  # hashable, printable
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"plan field zero={self.zero!r} must be one of 0, 1, 2, 3")

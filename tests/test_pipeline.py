@@ -170,6 +170,9 @@ def test_custom_schedule_is_validated_before_any_rank_runs() -> None:
     fine = Schedule.parse("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1")
     program = compile_gpt2({"schedule": fine}, autoshard.Mesh(pp=2))
     assert "schedule=custom, microbatches=2" in str(program.plan)
+    msg = "plan asks for microbatches=4 but its schedule has 2; drop microbatches from the plan"
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        compile_gpt2({"schedule": fine, "microbatches": 4}, autoshard.Mesh(pp=2))
     three = Schedule.parse("rank 0: 0F0 0B0\nrank 1: 1F0 1B0\nrank 2: 2F0 2B0")
     with pytest.raises(ScheduleError, match=re.escape("the custom schedule has 3 ranks but pp=2")):
         compile_gpt2({"schedule": three}, autoshard.Mesh(pp=2))
