@@ -16,6 +16,7 @@ from autoshard.capture import capture
 from autoshard.cost import summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.mesh import Mesh
+from autoshard.meta import get_layer
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner import DeviceSpec, choose_plan
 from autoshard.program import Program
@@ -68,6 +69,21 @@ def _check_batch(batch: int, dp: int) -> None:
         )
 
 
+def _tied_parameters(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """Trainable parameters read by more than one layer (tied weights such as GPT-2's embedding and head)."""
+    layers: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr_path(gm, node.target), nn.Parameter):
+            layers.setdefault(node.target, set()).update(get_layer(user) for user in node.users)
+    return tuple(sorted(t.removeprefix("model.") for t, used in layers.items() if len(used) > 1))
+
+
+def getattr_path(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
 def _build_pipeline(
     gm: torch.fx.GraphModule, plan: Plan, sizes: dict[str, int], results: list[passes.PassResult]
 ) -> tuple[Schedule, list[passes.pipeline_stages.StageGraph]]:
@@ -91,6 +107,18 @@ def _build_pipeline(
     results.append(passes.pipeline_split.run(gm, n_stages, sizes, cuts))
     stages, result = passes.pipeline_stages.run(gm, n_stages)
     results.append(result)
+    if plan.zero > 0:
+        ranks_of: dict[str, set[int]] = {}
+        for stage in stages:
+            for target in stage.parameter_targets:
+                ranks_of.setdefault(target, set()).add(schedule.rank_of(stage.stage))
+        tied = sorted(t.removeprefix("model.") for t, ranks in ranks_of.items() if len(ranks) > 1)
+        if tied:
+            raise PlanError(
+                f"zero={plan.zero} with pp={plan.pp} shards each stage's gradients over dp, but {tied} are tied "
+                f"across pipeline ranks, whose gradients must be summed first; this version does not do that "
+                f"under ZeRO: use zero=0 with pp > 1, or untie the weights"
+            )
     owners = gradient_owners(schedule, {s.stage: s.parameter_targets for s in stages})
     for stage in stages:
         results.append(passes.grad_buckets.run(stage.gm, plan.bucket_bytes, owners[stage.stage]))
@@ -149,9 +177,10 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(captured.gm.graph.nodes))
     results = passes.analyze(captured.gm, captured.rename)
     cost = summarize(captured.gm)
-    report = choose_plan(resolved, overrides, cost, captured.example_sizes, device or DeviceSpec())
+    tied = _tied_parameters(captured.gm)
+    report = choose_plan(resolved, overrides, cost, captured.example_sizes, device or DeviceSpec(), tied)
     chosen = report.winner
-    chosen.check_implemented()
+    chosen.check_implemented(list(report.chosen.not_implemented))
     _check_batch(captured.example_sizes["B"], chosen.dp)
     schedule, stages = None, None
     if chosen.pp > 1:

@@ -122,16 +122,19 @@ class Plan:
         missing = []
         if self.tp > 1:
             missing.append(f"tensor parallelism (tp={self.tp})")
-        if self.pp > 1 and self.zero > 0:
-            missing.append(f"ZeRO with pipeline parallelism (zero={self.zero}, pp={self.pp})")
+        if self.pp > 1 and self.zero == 3:
+            missing.append(f"ZeRO-3 with pipeline parallelism (zero=3, pp={self.pp})")
         return missing
 
-    def check_implemented(self) -> None:
-        missing = self.not_implemented()
+    def check_implemented(self, missing: list[str] | None = None) -> None:
+        """Raise naming what this plan asks for that is not implemented (``missing``: as the planner found it)."""
+        missing = self.not_implemented() if missing is None else missing
         if missing:
+            fixes = (["tp=1"] if self.tp > 1 else []) + (["zero=0 or pp=1"] if self.pp > 1 and self.zero > 0 else [])
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
-                f"it implements data parallelism, ZeRO (with pp=1) and pipeline parallelism (with zero=0): use tp=1"
+                f"it implements data parallelism, ZeRO and pipeline parallelism (with zero <= 2): "
+                f"use {', '.join(fixes) or 'another plan'}"
             )
 
     @classmethod

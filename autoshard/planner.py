@@ -160,8 +160,12 @@ def choose_plan(
     cost: ModelCost,
     sizes: dict[str, int],
     device: DeviceSpec,
+    tied: tuple[str, ...] = (),
 ) -> PlanReport:
-    """Pick the fastest plan that this version implements and that fits; explain the choice."""
+    """Pick the fastest plan that this version implements and that fits; explain the choice.
+
+    ``tied``: parameters read by several layers (tied weights), which ZeRO cannot shard across stages yet.
+    """
     Plan.check_overrides(overrides)
     if isinstance(world_or_mesh, Mesh):
         mesh = world_or_mesh
@@ -194,13 +198,14 @@ def choose_plan(
                 fields["microbatches"] = default_microbatches(sizes.get("B", 1) // dp, pp, schedule)
             plan = Plan(**fields)
             memory, seconds = estimate(plan, evaluated, device)
-            candidates.append(
-                Candidate(plan, memory, seconds, memory <= device.memory_bytes, tuple(plan.not_implemented()))
-            )
+            missing = plan.not_implemented()
+            if tied and pp > 1 and zero in (1, 2):  # (ZeRO-3 with pp is not implemented at all)
+                missing.append(f"ZeRO with pipeline parallelism for weights tied across layers ({', '.join(tied)})")
+            candidates.append(Candidate(plan, memory, seconds, memory <= device.memory_bytes, tuple(missing)))
     runnable = [c for c in candidates if c.runnable]
     if not runnable:
         best = min(candidates, key=lambda c: c.step_seconds)
-        best.plan.check_implemented()  # raises, naming what is missing
+        best.plan.check_implemented(list(best.not_implemented))  # raises, naming what is missing
     fitting = [c for c in runnable if c.fits]
     # The rule of thumb: a model that fits one device with plain data parallelism trains data-parallel
     # (ZeRO at most); splitting it by stages or tensors pays bubbles and activation traffic instead.

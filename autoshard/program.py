@@ -30,6 +30,7 @@ from autoshard.runtime.pipeline import (
     PipelineTrainer,
     StageIO,
     TiedGroup,
+    ZeroPipelineTrainer,
 )
 from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
 from autoshard.schedules import Schedule
@@ -375,7 +376,9 @@ class Program:
                         full[offset : offset + value.numel()].copy_(value.reshape(-1))
                     shard.copy_(layout.own(full))
         if self._trainer is not None and self.plan.zero > 0:
-            self._trainer.shard_opt.reload_masters()
+            syncs = self._trainer.syncs.values() if self.schedule is not None else [self._trainer]
+            for sync in syncs:
+                sync.shard_opt.reload_masters()
 
     # ---- internals ----------------------------------------------------------------------------
     def _holds(self, tensor: torch.Tensor) -> bool:
@@ -424,13 +427,17 @@ class Program:
     def _pipeline_trainer(self) -> PipelineTrainer:
         coords = self.mesh.coords(self.rank)
         mine = self._stages_of(self.rank)
-        syncs = {}
-        if self.plan.dp > 1:
-            syncs = {
-                s.stage: BucketedGradSync(self._flat_slots(GRAD_BUCKET, s.gm), self.comm, self.plan.dp) for s in mine
-            }
+        syncs: dict[int, Any] = {}
         params = list(self.parameters())
-        optimizer = make_optimizer(self._optimizer_factory, params)
+        if self.plan.zero in (1, 2):
+            for s in mine:
+                layouts = layouts_from_slots(self._flat_slots(GRAD_BUCKET, s.gm), self.plan.dp, coords["dp"])
+                syncs[s.stage] = ZeroDataParallel(
+                    layouts, self.plan.zero, self.plan.offload, self._optimizer_factory, self.comm, self._master_values
+                )
+        elif self.plan.dp > 1:
+            for s in mine:
+                syncs[s.stage] = BucketedGradSync(self._flat_slots(GRAD_BUCKET, s.gm), self.comm, self.plan.dp)
         inputs = [n for n in self._train_gm.graph.nodes if n.op == "placeholder"]
         input_shapes = [next(iter(get_shape(n).tensors), None) for n in inputs]
         runner = PipelineRunner(
@@ -444,6 +451,9 @@ class Program:
             max_slots=max(len(s.send) for s in self._stages),
             comm=self.comm,
         )
+        if self.plan.zero in (1, 2):
+            return ZeroPipelineTrainer(runner, syncs, params)
+        optimizer = make_optimizer(self._optimizer_factory, params)
         # A tied parameter counts once in the global norm: on the first pipeline rank that reads it.
         norm_params = [p for p in params if min(self._pp_ranks_of.get(id(p), {coords["pp"]})) == coords["pp"]]
         return PipelineTrainer(runner, syncs, optimizer, params, self._tied, norm_params, self._pp_group, self.comm)

@@ -87,12 +87,13 @@ def test_plan_validation_messages() -> None:
 
 
 def test_plan_says_what_is_not_implemented() -> None:
-    plan = Plan(dp=2, tp=2, pp=2, zero=1)
-    assert plan.not_implemented() == ["tensor parallelism (tp=2)", "ZeRO with pipeline parallelism (zero=1, pp=2)"]
+    plan = Plan(dp=2, tp=2, pp=2, zero=3)
+    assert plan.not_implemented() == ["tensor parallelism (tp=2)", "ZeRO-3 with pipeline parallelism (zero=3, pp=2)"]
     msg = (
-        "Plan(dp=2, tp=2, pp=2, zero=1, schedule=1f1b, microbatches=1, bucket=25MiB) asks for tensor parallelism "
-        "(tp=2), ZeRO with pipeline parallelism (zero=1, pp=2), which this version of autoshard does not implement "
-        "yet; it implements data parallelism, ZeRO (with pp=1) and pipeline parallelism (with zero=0): use tp=1"
+        "Plan(dp=2, tp=2, pp=2, zero=3, schedule=1f1b, microbatches=1, bucket=25MiB) asks for tensor parallelism "
+        "(tp=2), ZeRO-3 with pipeline parallelism (zero=3, pp=2), which this version of autoshard does not "
+        "implement yet; it implements data parallelism, ZeRO and pipeline parallelism (with zero <= 2): "
+        "use tp=1, zero=0 or pp=1"
     )
     with pytest.raises(PlanError, match=re.escape(msg)):
         plan.check_implemented()

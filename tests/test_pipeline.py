@@ -93,6 +93,24 @@ def test_cut_inside_a_block_sends_several_tensors(ranks) -> None:
     assert "pipeline_send(pipe, 0, 3," in results[0]["graphs"][0]
 
 
+@pytest.mark.parametrize("plan", [{"zero": 1}, {"zero": 2, "max_grad_norm": 0.05}, {"zero": 1, "offload": True}])
+def test_zero_with_pipeline_matches_single_device(ranks, plan: dict) -> None:
+    """dp2 x pp2 with ZeRO-1/2: each stage's optimizer state (and gradients) sharded over its dp pair."""
+    results = ranks(4).run(train_pipeline, "llama", {"dp": 2, "pp": 2}, {**plan, "microbatches": 2})
+    check_equivalent(results, "llama", max_grad_norm=plan.get("max_grad_norm"))
+    assert all(r["volumes"][-1]["reduce_scatter"] > 0 and r["volumes"][-1]["all_gather"] > 0 for r in results)
+
+
+def test_zero_with_pipeline_refuses_tied_weights() -> None:
+    msg = (
+        "asks for ZeRO with pipeline parallelism for weights tied across layers (lm_head.weight), which this "
+        "version of autoshard does not implement yet; it implements data parallelism, ZeRO and pipeline "
+        "parallelism (with zero <= 2): use zero=0 or pp=1"
+    )
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        compile_gpt2({"zero": 1, "microbatches": 2}, autoshard.Mesh(dp=2, pp=2))
+
+
 def test_clipping_across_stages(ranks) -> None:
     plan = {"microbatches": 2, "max_grad_norm": 0.05}
     results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, plan)
@@ -147,8 +165,8 @@ def compile_gpt2(plan: dict, mesh: autoshard.Mesh, layers: int = 2, batch: int =
             "virtual_stages=2 puts several stages on each rank, which only schedule='interleaved_1f1b' runs",
         ),
         (
-            {"pp": 2}, {"microbatches": 2, "zero": 1}, 2,
-            "asks for ZeRO with pipeline parallelism (zero=1, pp=2), which this version of autoshard does not",
+            {"pp": 2}, {"microbatches": 2, "zero": 3}, 2,
+            "asks for ZeRO-3 with pipeline parallelism (zero=3, pp=2), which this version of autoshard does not",
         ),
         (
             {"pp": 2}, {"microbatches": 2, "pp_cuts": ["transformer.h.7"]}, 2,

@@ -39,6 +39,7 @@ __all__ = [
     "StageIO",
     "TiedGroup",
     "UnboundChannel",
+    "ZeroPipelineTrainer",
     "gradient_owners",
     "recv",
     "send",
@@ -354,7 +355,7 @@ class PipelineTrainer:
         """``norm_params``: this rank's parameters that count in the global gradient norm (a tied copy once)."""
         self.runner = runner
         self.syncs = syncs
-        self.optimizer = optimizer
+        self._optimizer = optimizer
         self.params = params
         self.tied = tied
         self.norm_params = norm_params
@@ -386,7 +387,7 @@ class PipelineTrainer:
     def update(self, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None:
             self._clip(max_grad_norm)
-        self.optimizer.step()
+        self._optimizer.step()
 
     def _clip(self, max_norm: float) -> None:
         """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
@@ -401,12 +402,54 @@ class PipelineTrainer:
                 if p.grad is not None:
                     p.grad.mul_(coef)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
     def memory(self) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for p in self.params)
         grads = sum(b.buffer.numel() * b.buffer.element_size() for s in self.syncs.values() for b in s.buckets)
         if not self.syncs:
             grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         return {"parameters": params, "gradients": grads, "optimizer": optimizer_state_bytes(self.optimizer)}
+
+
+class ZeroPipelineTrainer(PipelineTrainer):
+    """Pipeline with ZeRO-1/2 over dp: each local stage's ZeroDataParallel shards its optimizer state
+    (and with stage 2 its gradients); reduce-scatters are armed like the buckets above."""
+
+    def __init__(self, runner: PipelineRunner, syncs: dict[int, Any], params: list[nn.Parameter]) -> None:
+        super().__init__(runner, syncs, None, params, [], [], None, None)  # ties are refused at compile
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return next(iter(self.syncs.values())).optimizer  # the first local stage's (one stage without interleaving)
+
+    def update(self, max_grad_norm: float | None) -> None:
+        if max_grad_norm is not None:
+            # The global norm over every stage's shards: a sum over all dp and pp ranks (tp = 1).
+            masters = [m for sync in self.syncs.values() for m in sync.shard_opt.masters if m.grad is not None]
+            square = torch.zeros((), dtype=torch.float64)
+            for m in masters:
+                square += m.grad.double().pow(2).sum()
+            dist.all_reduce(square)
+            coef = min(1.0, max_norm_coef(max_grad_norm, square))
+            for m in masters:
+                m.grad.mul_(coef)
+        for sync in self.syncs.values():
+            sync.step(None)
+
+    def memory(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for sync in self.syncs.values():
+            for key, value in sync.memory().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
+def max_norm_coef(max_norm: float, square: torch.Tensor) -> float:
+    """torch.nn.utils.clip_grad_norm_'s scale for a total squared norm."""
+    return max_norm / (square.sqrt().item() + 1e-6)
 
 
 def gradient_owners(schedule: Schedule, stage_params: dict[int, tuple[str, ...]]) -> dict[int, set[str]]:

@@ -250,7 +250,8 @@ class ZeroDataParallel:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.shard_opt.optimizer
 
-    def prepare(self) -> None:
+    def prepare(self, armed: bool = True) -> None:
+        """Before a backward (``armed=False``: launch nothing until ``launcher.reset()``, see BucketedGradSync)."""
         for g, layout in enumerate(self.layouts):
             if self.grad_flats[g] is None:
                 self.grad_flats[g] = torch.zeros_like(self.flats[g])
@@ -259,7 +260,7 @@ class ZeroDataParallel:
             for param, view in zip(layout.params, layout.views(self.grad_flats[g])):
                 param.grad = view
             self._works[g] = None
-        self.launcher.reset()
+        self.launcher.reset(armed)
 
     def _launch(self, g: int) -> None:
         layout = self.layouts[g]
