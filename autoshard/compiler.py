@@ -73,12 +73,14 @@ def _tied_parameters(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """Trainable parameters read by more than one layer (tied weights such as GPT-2's embedding and head)."""
     layers: dict[str, set[str]] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(getattr_path(gm, node.target), nn.Parameter):
-            layers.setdefault(node.target, set()).update(get_layer(user) for user in node.users)
+        if node.op == "get_attr" and isinstance(_getattr_path(gm, node.target), nn.Parameter):
+            users = (u for u in node.users if u.op == "call_function")
+            layers.setdefault(node.target, set()).update(get_layer(user) for user in users)
     return tuple(sorted(t.removeprefix("model.") for t, used in layers.items() if len(used) > 1))
 
 
-def getattr_path(root: Any, path: str) -> Any:
+def _getattr_path(root: Any, path: str) -> Any:
+    """``root.a.b.c`` for ``path="a.b.c"``."""
     for part in path.split("."):
         root = getattr(root, part)
     return root
