@@ -28,7 +28,6 @@ from autoshard.runtime.pipeline import (
     PipelineRunner,
     PipelineStats,
     PipelineTrainer,
-    StageIO,
     TiedGroup,
     ZeroPipelineTrainer,
 )
@@ -441,7 +440,7 @@ class Program:
         inputs = [n for n in self._train_gm.graph.nodes if n.op == "placeholder"]
         input_shapes = [next(iter(get_shape(n).tensors), None) for n in inputs]
         runner = PipelineRunner(
-            stages={s.stage: StageIO(s.stage, s.gm, s.input_indices, s.recv, s.send) for s in mine},
+            stages={s.stage: s for s in mine},
             schedule=self.schedule,
             pp_rank=coords["pp"],
             peer=lambda stage: self.mesh.rank_of(pp=self.schedule.rank_of(stage), dp=coords["dp"], tp=coords["tp"]),

@@ -28,14 +28,13 @@ Graph inputs (token ids, labels) are the graph's placeholders on every stage tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.meta import PIPE, PipeSlot, TensorShape, get_cost, get_shape, get_stage
+from autoshard.meta import PIPE, PipeSlot, get_cost, get_shape, get_stage
 from autoshard.runtime import pipeline
+from autoshard.runtime.pipeline import StageGraph
 
 from .infra import PassResult
 
@@ -45,18 +44,6 @@ READS = ("autoshard.stage", "autoshard.shape", "autoshard.cost")
 WRITES = (PIPE,)
 
 CHANNEL_ATTR = "pipe"
-
-
-@dataclass(frozen=True)
-class StageGraph:
-    """One stage: its graph, which graph inputs it reads, and what it receives and sends."""
-
-    stage: int
-    gm: fx.GraphModule
-    input_indices: tuple[int, ...]  # positions in the captured graph's flat inputs
-    recv: tuple[TensorShape, ...]  # from stage - 1, in slot order
-    send: tuple[TensorShape, ...]  # to stage + 1, in slot order
-    parameter_targets: tuple[str, ...]  # get_attr targets of trainable parameters
 
 
 def _free_to_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:

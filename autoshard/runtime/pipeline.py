@@ -24,7 +24,7 @@ from typing import Any
 import sympy
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from autoshard.errors import DistributedError, InputError
 from autoshard.meta import TensorShape, evaluate_expr
@@ -36,7 +36,7 @@ __all__ = [
     "PipelineRunner",
     "PipelineStats",
     "PipelineTrainer",
-    "StageIO",
+    "StageGraph",
     "TiedGroup",
     "UnboundChannel",
     "ZeroPipelineTrainer",
@@ -108,14 +108,16 @@ class PipelineChannel(nn.Module):
 
 # ---- the schedule runner ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StageIO:
-    """What the runner needs of a stage graph: its module, inputs, and boundary shapes."""
+class StageGraph:
+    """One stage (built by passes.pipeline_stages): its graph, which graph inputs it reads, what it
+    receives and sends."""
 
     stage: int
-    module: nn.Module
-    input_indices: tuple[int, ...]
-    recv: tuple[TensorShape, ...]
-    send: tuple[TensorShape, ...]
+    gm: fx.GraphModule
+    input_indices: tuple[int, ...]  # positions in the captured graph's flat inputs
+    recv: tuple[TensorShape, ...]  # from stage - 1, in slot order
+    send: tuple[TensorShape, ...]  # to stage + 1, in slot order
+    parameter_targets: tuple[str, ...]  # get_attr targets of trainable parameters
 
 
 @dataclass
@@ -125,7 +127,6 @@ class PipelineStats:
     step_seconds: float = 0.0
     busy_seconds: float = 0.0
     peak_in_flight: int = 0
-    actions: int = 0
     microbatch_sizes: dict[str, int] = field(default_factory=dict)  # symbol values of one microbatch
 
     @property
@@ -159,7 +160,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        stages: dict[int, StageIO],
+        stages: dict[int, StageGraph],
         schedule: Schedule,
         pp_rank: int,
         peer: Callable[[int], int],
@@ -187,6 +188,7 @@ class PipelineRunner:
         self.max_slots = max_slots
         self.stats = PipelineStats()
         self._shape_cache: dict[tuple, list[int]] = {}  # (symbolic sizes, symbol values) -> sizes
+        self._sends: list[Any] = []  # this step's isend handles, waited for at its end
         last_backward = {}
         for i, action in enumerate(self.actions):
             if action.kind == "B":
@@ -267,10 +269,9 @@ class PipelineRunner:
         """Run this rank's actions; returns the sum of the microbatch losses on the last stage's rank."""
         per_mb, sizes = self.split(flat)
         self.channel.sizes = sizes
-        self._sends: list[Any] = []
         held: dict[tuple[int, int], _Held] = {}
         loss_sum: torch.Tensor | None = None
-        stats = PipelineStats(actions=len(self.actions), microbatch_sizes=dict(sizes))
+        stats = PipelineStats(microbatch_sizes=dict(sizes))
         start = time.perf_counter()
         posted = {0: self._post(self.actions[0], sizes)} if self.actions else {}
         for i, action in enumerate(self.actions):
@@ -284,7 +285,7 @@ class PipelineRunner:
                 for tensor, shape in zip(received, io.recv):
                     tensor.requires_grad_(shape.requires_grad)
                 self.channel.inputs, self.channel.outputs = received, {}
-                loss = io.module(*(per_mb[action.microbatch][j] for j in io.input_indices))
+                loss = io.gm(*(per_mb[action.microbatch][j] for j in io.input_indices))
                 outputs = [self.channel.outputs[slot] for slot in range(len(io.send))]
                 self.channel.inputs, self.channel.outputs = [], {}
                 if action.stage < self.n_stages - 1:
