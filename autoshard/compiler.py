@@ -16,7 +16,7 @@ from autoshard.capture import capture
 from autoshard.cost import summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.mesh import Mesh
-from autoshard.meta import get_layer
+from autoshard.meta import get_layer, get_shape
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner import DeviceSpec, choose_plan
 from autoshard.program import Program
@@ -73,17 +73,10 @@ def _tied_parameters(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """Trainable parameters read by more than one layer (tied weights such as GPT-2's embedding and head)."""
     layers: dict[str, set[str]] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(_getattr_path(gm, node.target), nn.Parameter):
+        if node.op == "get_attr" and get_shape(node).requires_grad:
             users = (u for u in node.users if u.op == "call_function")
             layers.setdefault(node.target, set()).update(get_layer(user) for user in users)
     return tuple(sorted(t.removeprefix("model.") for t, used in layers.items() if len(used) > 1))
-
-
-def _getattr_path(root: Any, path: str) -> Any:
-    """``root.a.b.c`` for ``path="a.b.c"``."""
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def _build_pipeline(

@@ -102,6 +102,11 @@ class NodeShape:
     def nbytes(self) -> sympy.Expr:
         return sympy.Add(*(t.nbytes for t in self.tensors if t is not None))
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any tensor output requires grad (for a get_attr: a trainable parameter)."""
+        return any(t is not None and t.requires_grad for t in self.tensors)
+
     def __str__(self) -> str:
         if self.scalar is not None:
             return f"size {self.scalar}"

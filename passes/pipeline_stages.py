@@ -28,6 +28,8 @@ Graph inputs (token ids, labels) are the graph's placeholders on every stage tha
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -53,14 +55,13 @@ def _free_to_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     if node.op == "placeholder":
         result = True
     elif node.op == "get_attr":
-        result = not any(t is not None and t.requires_grad for t in get_shape(node).tensors)
+        result = not get_shape(node).requires_grad
     elif node.op != "call_function":
         result = False
     else:
-        shape = get_shape(node)
         tags = getattr(node.target, "tags", ())
         result = (
-            not any(t is not None and t.requires_grad for t in shape.tensors)
+            not get_shape(node).requires_grad
             and get_cost(node).flops_fwd == 0
             and torch.Tag.nondeterministic_seeded not in tags
             and all(_free_to_recompute(arg, memo) for arg in node.all_input_nodes)
@@ -159,7 +160,7 @@ class _StageBuilder:
             env[node].meta.update(node.meta)
             return env[node]
         if node.op == "get_attr":
-            self.attrs[node.target] = _attr(self.gm, node)
+            self.attrs[node.target] = operator.attrgetter(node.target)(self.gm)
         elif node in self.stage_of and self.stage_of[node] < self.stage:
             if self.kinds.get(node) == "size":
                 env[node] = graph.call_function(pipeline.size, (self.pipe, str(get_shape(node).scalar)))
@@ -178,7 +179,7 @@ class _StageBuilder:
         stage_gm = fx.GraphModule(self.attrs, self.graph, class_name=f"Stage{self.stage}")
         targets = tuple(
             n.target for n in self.graph.nodes
-            if n.op == "get_attr" and n.target != CHANNEL_ATTR and _is_parameter(self.gm, n)
+            if n.op == "get_attr" and n.target != CHANNEL_ATTR and get_shape(n).requires_grad
         )  # fmt: skip
         return StageGraph(
             stage=self.stage,
@@ -188,17 +189,3 @@ class _StageBuilder:
             send=tuple(get_shape(n).tensor for n in sent),
             parameter_targets=targets,
         )
-
-
-def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
-    try:
-        return gm.get_parameter(node.target).requires_grad
-    except AttributeError:
-        return False
-
-
-def _attr(gm: fx.GraphModule, node: fx.Node) -> object:
-    value: object = gm
-    for part in node.target.split("."):
-        value = getattr(value, part)
-    return value

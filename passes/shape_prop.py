@@ -35,8 +35,7 @@ def to_expr(size: int | torch.SymInt, rename: Mapping[sympy.Symbol, sympy.Symbol
 
 def _inputs_require_grad(node: fx.Node) -> bool:
     for arg in node.all_input_nodes:
-        shape = get_shape(arg)
-        if any(t is not None and t.requires_grad for t in shape.tensors):
+        if get_shape(arg).requires_grad:
             return True
     return False
 
