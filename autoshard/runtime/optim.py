@@ -10,7 +10,7 @@ import torch
 
 from autoshard.errors import InputError
 
-__all__ = ["make_optimizer", "optimizer_state_bytes", "weak_grad_hook"]
+__all__ = ["clip_by_global_norm", "make_optimizer", "optimizer_state_bytes", "weak_grad_hook"]
 
 
 def make_optimizer(factory: Callable[[Any], torch.optim.Optimizer], params: Iterable[Any]) -> torch.optim.Optimizer:
@@ -45,3 +45,26 @@ def weak_grad_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Te
             bound(param)
 
     return hook
+
+
+def clip_by_global_norm(
+    counted: Iterable[torch.Tensor],
+    scaled: Iterable[torch.Tensor],
+    max_norm: float,
+    all_reduce: Callable[[torch.Tensor], Any],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Scale ``scaled`` so that the L2 norm of ``counted``, its squares summed over ranks by
+    ``all_reduce``, is at most ``max_norm`` (torch.nn.utils.clip_grad_norm_'s rule); returns the norm.
+
+    Each rank counts its own shard (or stage) of the gradients, so the sum is the single-device norm.
+    """
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in counted:
+        squares += grad.detach().double().pow(2).sum().to(squares.device)
+    all_reduce(squares)
+    total = squares.sqrt().float()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in scaled:
+        grad.mul_(coef.to(grad.device))
+    return total

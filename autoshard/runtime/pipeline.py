@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from autoshard.errors import DistributedError, InputError
 from autoshard.meta import TensorShape, evaluate_expr
-from autoshard.runtime.optim import optimizer_state_bytes
+from autoshard.runtime.optim import clip_by_global_norm, optimizer_state_bytes
 from autoshard.schedules import Action, Schedule
 
 __all__ = [
@@ -392,16 +392,9 @@ class PipelineTrainer:
 
     def _clip(self, max_norm: float) -> None:
         """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            square += g.detach().float().pow(2).sum()
-        dist.all_reduce(square, group=self.pp_group)
-        coef = max_norm / (square.sqrt() + 1e-6)
-        if coef < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        counted = [p.grad for p in self.norm_params if p.grad is not None]
+        scaled = [p.grad for p in self.params if p.grad is not None]
+        clip_by_global_norm(counted, scaled, max_norm, lambda t: dist.all_reduce(t, group=self.pp_group))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -429,14 +422,8 @@ class ZeroPipelineTrainer(PipelineTrainer):
     def update(self, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None:
             # The global norm over every stage's shards: a sum over all dp and pp ranks (tp = 1).
-            masters = [m for sync in self.syncs.values() for m in sync.shard_opt.masters if m.grad is not None]
-            square = torch.zeros((), dtype=torch.float64)
-            for m in masters:
-                square += m.grad.double().pow(2).sum()
-            dist.all_reduce(square)
-            coef = min(1.0, max_norm_coef(max_grad_norm, square))
-            for m in masters:
-                m.grad.mul_(coef)
+            grads = [m.grad for sync in self.syncs.values() for m in sync.shard_opt.masters if m.grad is not None]
+            clip_by_global_norm(grads, grads, max_grad_norm, dist.all_reduce)
         for sync in self.syncs.values():
             sync.step(None)
 
@@ -446,11 +433,6 @@ class ZeroPipelineTrainer(PipelineTrainer):
             for key, value in sync.memory().items():
                 total[key] = total.get(key, 0) + value
         return total
-
-
-def max_norm_coef(max_norm: float, square: torch.Tensor) -> float:
-    """torch.nn.utils.clip_grad_norm_'s scale for a total squared norm."""
-    return max_norm / (square.sqrt().item() + 1e-6)
 
 
 def gradient_owners(schedule: Schedule, stage_params: dict[int, tuple[str, ...]]) -> dict[int, set[str]]:

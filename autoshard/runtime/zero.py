@@ -28,7 +28,7 @@ from torch import nn
 from autoshard.errors import PlanError
 from autoshard.runtime.comm import CommCounter, same_view
 from autoshard.runtime.grad_sync import InOrderLauncher
-from autoshard.runtime.optim import make_optimizer, optimizer_state_bytes
+from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_state_bytes
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -175,18 +175,8 @@ class ShardOptimizer:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the shard gradients so that the global (all shards) L2 norm is at most max_norm."""
-        squares = sum(
-            (m.grad.double().pow(2).sum() for m in self.masters if m.grad is not None),
-            torch.zeros((), dtype=torch.float64),
-        )
-        squares = squares.to(self.compute_shards[0].device)
-        self.comm.all_reduce(squares)
-        total = squares.sqrt().float()
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for m in self.masters:
-            if m.grad is not None:
-                m.grad.mul_(coef.to(m.grad.device))
-        return total
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        return clip_by_global_norm(grads, grads, max_norm, self.comm.all_reduce, self.compute_shards[0].device)
 
     def step(self, max_grad_norm: float | None = None) -> None:
         if max_grad_norm is not None:
