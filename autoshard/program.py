@@ -135,7 +135,7 @@ class Program:
         if self.is_meta or (not self._distributed and self.mesh.size > 1):
             return  # planning and inspection only
         if self._distributed:
-            self._dp_group = self._make_dp_group()
+            self._dp_group = self._make_group("dp")
             self.comm.group = self._dp_group
             if plan.pp > 1:
                 self._setup_pipeline()
@@ -387,10 +387,7 @@ class Program:
         """Groups, the channel, and this rank's share: its stages' tensors stay, the rest are released."""
         mesh, schedule = self.mesh, self.schedule
         # Every rank creates every group, in the same order.
-        for ranks in mesh.groups("pp"):
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                self._pp_group = group
+        self._pp_group = self._make_group("pp")
         self._p2p_group = dist.new_group(list(range(mesh.size)))  # point to point only, apart from collectives
         tensors = self._state_tensors()
         for stage in self._stages:
@@ -567,11 +564,12 @@ class Program:
         self._master_values = None  # the master shards hold them now
         return self._trainer
 
-    def _make_dp_group(self) -> dist.ProcessGroup | None:
-        if self.mesh.dp == dist.get_world_size():
+    def _make_group(self, dim: str) -> dist.ProcessGroup | None:
+        """This rank's process group along mesh dimension ``dim``."""
+        if self.mesh.degree(dim) == dist.get_world_size():
             return None  # the default group
         mine = None
-        for ranks in self.mesh.groups("dp"):  # every rank creates every group, in the same order
+        for ranks in self.mesh.groups(dim):  # every rank creates every group, in the same order
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
