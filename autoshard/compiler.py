@@ -17,6 +17,7 @@ from autoshard.cost import summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.meta import get_layer, get_shape
+from autoshard.placements import Shard
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner import DeviceSpec, choose_plan
 from autoshard.program import Program
@@ -177,7 +178,17 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     chosen = report.winner
     chosen.check_implemented(list(report.chosen.not_implemented))
     _check_batch(captured.example_sizes["B"], chosen.dp)
-    schedule, stages = None, None
+    schedule, stages, tp_report = None, None, None
+    if chosen.tp > 1:
+        tp_report, result = passes.tp_placement.run(captured.gm, chosen.tp)
+        results.append(result)
+        if not any(isinstance(p, Shard) for p in tp_report.weights.values()):
+            reasons = "; ".join(f"{t.removeprefix('model.')}: {why}" for t, why in tp_report.replicated.items())
+            raise PlanError(
+                f"tp={chosen.tp} shards none of {captured.model_name}'s weights ({reasons or 'no matrix weights'}); "
+                f"use tp=1, or a tp degree that divides the model's heads and hidden sizes"
+            )
+        results.append(passes.tp_rewrite.run(captured.gm, chosen.tp))
     if chosen.pp > 1:
         schedule, stages = _build_pipeline(captured.gm, chosen, captured.example_sizes, results)
     else:
@@ -197,5 +208,6 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         master_values=master_values,
         schedule=schedule,
         stages=stages,
+        tp_report=tp_report,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )

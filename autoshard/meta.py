@@ -21,6 +21,10 @@ __all__ = [
     "LAYER",
     "SHAPE",
     "STAGE",
+    "TP",
+    "TP_COMM",
+    "TpCollective",
+    "TpPlacement",
     "ZERO3",
     "ZERO_GROUP",
     "FlatSlot",
@@ -36,6 +40,7 @@ __all__ = [
     "get_layer",
     "get_shape",
     "get_stage",
+    "get_tp",
     "get_zero3_gather",
     "get_zero_group",
 ]
@@ -48,6 +53,8 @@ ZERO_GROUP = "autoshard.zero_group"  # written by passes.zero_groups
 ZERO3 = "autoshard.zero3"  # written by passes.zero3_gather_free
 STAGE = "autoshard.stage"  # written by passes.pipeline_split
 PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
+TP = "autoshard.tp"  # written by passes.tp_placement
+TP_COMM = "autoshard.tp_comm"  # written by passes.tp_rewrite
 
 
 def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
@@ -187,3 +194,30 @@ def get_zero3_gather(node: fx.Node) -> Zero3Gather:
 
 def get_stage(node: fx.Node) -> int:
     return _require(node, STAGE, "pipeline_split")
+
+
+@dataclass(frozen=True)
+class TpPlacement:
+    """A value's placement along the tp mesh dimension, and the placements its op reads its inputs in.
+
+    ``out`` is a Placement, or a tuple of them for ops with several outputs (split); ``inputs`` follows
+    ``node.all_input_nodes``. Where an input's own ``out`` differs, a redistribution goes between.
+    """
+
+    out: Any
+    inputs: tuple[Any, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TpCollective:
+    """A collective the TP rewrite inserted: what it does in forward and in backward (None: no communication)."""
+
+    forward: str | None
+    backward: str | None
+    layer: str
+    reason: str
+
+
+def get_tp(node: fx.Node) -> TpPlacement:
+    return _require(node, TP, "tp_placement")

@@ -120,8 +120,10 @@ class Plan:
     def not_implemented(self) -> list[str]:
         """What this plan asks for that this version of autoshard cannot run yet."""
         missing = []
-        if self.tp > 1:
-            missing.append(f"tensor parallelism (tp={self.tp})")
+        if self.tp > 1 and self.pp > 1:
+            missing.append(f"tensor parallelism with pipeline parallelism (tp={self.tp}, pp={self.pp})")
+        if self.tp > 1 and self.zero > 0:
+            missing.append(f"tensor parallelism with ZeRO (tp={self.tp}, zero={self.zero})")
         if self.pp > 1 and self.zero == 3:
             missing.append(f"ZeRO-3 with pipeline parallelism (zero=3, pp={self.pp})")
         return missing
@@ -130,10 +132,13 @@ class Plan:
         """Raise naming what this plan asks for that is not implemented (``missing``: as the planner found it)."""
         missing = self.not_implemented() if missing is None else missing
         if missing:
-            fixes = (["tp=1"] if self.tp > 1 else []) + (["zero=0 or pp=1"] if self.pp > 1 and self.zero > 0 else [])
+            fixes = (["tp=1"] if self.tp > 1 and (self.pp > 1 or self.zero > 0) else []) + (
+                ["zero=0 or pp=1"] if self.pp > 1 and self.zero > 0 else []
+            )
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
-                f"it implements data parallelism, ZeRO and pipeline parallelism (with zero <= 2): "
+                f"it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
+                f"parallelism (with dp, without ZeRO or pp): "
                 f"use {', '.join(fixes) or 'another plan'}"
             )
 

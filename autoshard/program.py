@@ -15,14 +15,14 @@ from autoshard.capture import Captured
 from autoshard.cost import ModelCost
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
-from autoshard.meta import GRAD_BUCKET, LAYER, ZERO3, get_layer, get_shape, get_zero3_gather
-from autoshard.passes import pipeline_stages, zero3_gather_free
-from autoshard.placements import Placement, Replicate, Shard
+from autoshard.meta import GRAD_BUCKET, LAYER, TP, TP_COMM, ZERO3, get_layer, get_shape, get_tp, get_zero3_gather
+from autoshard.passes import pipeline_stages, tp_placement, tp_rewrite, zero3_gather_free
+from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.plan import Plan
 from autoshard.planner import PlanReport
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.grad_sync import BucketedGradSync, DataParallelTrainer
-from autoshard.runtime.optim import make_optimizer
+from autoshard.runtime.optim import clip_by_global_norm, make_optimizer
 from autoshard.runtime.pipeline import (
     PipelineChannel,
     PipelineRunner,
@@ -31,6 +31,7 @@ from autoshard.runtime.pipeline import (
     TiedGroup,
     ZeroPipelineTrainer,
 )
+from autoshard.runtime.tp import TensorParallel
 from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
 from autoshard.schedules import Schedule
 
@@ -97,6 +98,7 @@ class Program:
         master_values: dict[int, torch.Tensor] | None = None,
         schedule: Schedule | None = None,
         stages: list[pipeline_stages.StageGraph] | None = None,
+        tp_report: tp_placement.TpReport | None = None,
     ) -> None:
         self.plan = plan
         self.mesh = plan.mesh
@@ -122,6 +124,10 @@ class Program:
         self._pp_group: dist.ProcessGroup | None = None
         self._p2p_group: dist.ProcessGroup | None = None
         self._channel: PipelineChannel | None = None
+        # Tensor parallel: what the search decided, and (under a process group) this rank's group.
+        self.tp_report = tp_report
+        self._tp: TensorParallel | None = None
+        self._tp_placement_of: dict[int, Shard] = {}  # id(tensor) -> its shard along tp
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.comm = CommCounter()
@@ -132,11 +138,18 @@ class Program:
         self._key_of: dict[int, str] = {}
         for key, tensor in self._state.items():
             self._key_of.setdefault(id(tensor), key)
+        if plan.tp > 1:
+            for node in self._train_gm.graph.nodes:
+                if node.op == "get_attr" and TP in node.meta and isinstance(get_tp(node).out, Shard):
+                    tensor = reduce(getattr, node.target.split("."), self._train_gm)
+                    self._tp_placement_of[id(tensor)] = get_tp(node).out
         if self.is_meta or (not self._distributed and self.mesh.size > 1):
             return  # planning and inspection only
         if self._distributed:
             self._dp_group = self._make_group("dp")
             self.comm.group = self._dp_group
+            if plan.tp > 1:
+                self._setup_tensor_parallel()
             if plan.pp > 1:
                 self._setup_pipeline()
             self._broadcast_from_first_dp_rank()
@@ -203,7 +216,13 @@ class Program:
             ]
         # ZeRO-3 shards each parameter's flat group along the dp dimension.
         dp_placement = Shard(0) if self.plan.zero == 3 else Replicate()
-        placements = {name: {"pp": Replicate(), "dp": dp_placement, "tp": Replicate()} for name in names}
+        tp_of = {
+            n.removeprefix(MODEL_PREFIX): self._tp_placement_of.get(id(p), Replicate())
+            for n, p in self._train_gm.named_parameters(remove_duplicate=False)
+        }
+        placements = {
+            name: {"pp": Replicate(), "dp": dp_placement, "tp": tp_of.get(name, Replicate())} for name in names
+        }
         graphs = tuple(self._graphs_of(rank))
         return RankProgram(rank=rank, coords=coords, graph_modules=graphs, placements=placements)
 
@@ -251,8 +270,36 @@ class Program:
                 )
             if self.schedule.microbatches * self.schedule.virtual_stages <= 16:
                 lines += ["", self.schedule.table()]
+        if self.tp_report is not None:
+            lines += ["", *self._explain_tp()]
         lines += ["", "passes:"] + [f"  {line}" for line in self.analysis_log]
         return "\n".join(lines)
+
+    def _explain_tp(self) -> list[str]:
+        report = self.tp_report
+        params = dict(self._train_gm.named_parameters(remove_duplicate=False))
+        lines = [f"tensor parallel (tp={report.degree}):"]
+        for target, placement in report.weights.items():
+            if isinstance(placement, Shard):
+                shape = tuple(params[target].shape) if target in params else "?"
+                lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {str(placement):<8} full {shape}")
+        for target, why in report.replicated.items():
+            lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {'R':<8} replicated: {why}")
+        per_layer: dict[str, dict[str, int]] = {}
+        for node in self._train_gm.graph.nodes:
+            comm = node.meta.get(TP_COMM)
+            if comm is not None:
+                counts = per_layer.setdefault(comm.layer, {})
+                for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
+                    if op:
+                        counts[f"{op} {phase}"] = counts.get(f"{op} {phase}", 0) + 1
+        lines.append("  collectives per layer:")
+        for layer, counts in per_layer.items():
+            lines.append(f"    {layer:<30} " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        if report.unruled:
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.unruled.items()))
+            lines.append(f"  ops without a sharding rule (inputs replicated): {ops}")
+        return lines
 
     def __repr__(self) -> str:
         return f"<autoshard.Program {self.plan} rank={self.rank} of {self.mesh}>"
@@ -320,8 +367,16 @@ class Program:
             )
         if self._forward_gm is None:
             self._forward_gm = _forward_only(self._train_gm, self._call.n_inputs)
-        outputs = self._forward_gm(*self._call.flatten_inputs(inputs, kwargs))
-        return self._call.unflatten_outputs(list(outputs))
+        outputs = list(self._forward_gm(*self._call.flatten_inputs(inputs, kwargs)))
+        if self._tp is not None:  # sharded outputs (logits over a sharded vocabulary) are joined here
+            output = next(n for n in self._train_gm.graph.nodes if n.op == "output")
+            for i, placement in enumerate(get_tp(output).out[1:]):
+                with torch.no_grad():
+                    if isinstance(placement, Shard):
+                        outputs[i] = self._tp.gather(outputs[i], placement)
+                    elif isinstance(placement, Partial):
+                        outputs[i] = self._tp.sum_(outputs[i].clone())
+        return self._call.unflatten_outputs(outputs)
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -340,6 +395,11 @@ class Program:
         if self._held is not None:
             return self._gather_pipeline_state()
         gathered: dict[int, torch.Tensor] = {}
+        if self._tp is not None:
+            for tensor in self._state_tensors().values():
+                placement = self._tp_placement_of.get(id(tensor))
+                if placement is not None and id(tensor) not in gathered:
+                    gathered[id(tensor)] = self._tp.gather(tensor.detach(), placement)
         if self._zero3 is not None:
             for layout, tensors in zip(self._zero3.layouts, self._zero3.full_parameters()):
                 gathered.update({id(p): t for p, t in zip(layout.params, tensors)})
@@ -361,12 +421,17 @@ class Program:
         for key, tensor in tensors.items():
             value = state_dict[key]
             shape = self._zero3_shape(tensor) if id(tensor) in sharded else self._full_shapes.get(key, tensor.shape)
+            if id(tensor) in self._tp_placement_of and self._tp is not None:
+                value = self._tp_placement_of[id(tensor)].local(value, self._tp.rank, self._tp.degree)
             if tuple(value.shape) != tuple(shape):
                 raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} here")
         with torch.no_grad():
             for key, tensor in tensors.items():
                 if id(tensor) not in sharded and self._holds(tensor):
-                    tensor.copy_(state_dict[key])
+                    value = state_dict[key]
+                    if id(tensor) in self._tp_placement_of and self._tp is not None:
+                        value = self._tp_placement_of[id(tensor)].local(value, self._tp.rank, self._tp.degree)
+                    tensor.copy_(value)
             if self._zero3 is not None:
                 for layout, shard in zip(self._zero3.layouts, self._zero3.shards):
                     full = torch.zeros(layout.padded, dtype=shard.dtype, device=shard.device)
@@ -382,6 +447,26 @@ class Program:
     # ---- internals ----------------------------------------------------------------------------
     def _holds(self, tensor: torch.Tensor) -> bool:
         return self._held is None or id(tensor) in self._held
+
+    def _setup_tensor_parallel(self) -> None:
+        """This rank's tp group, bound into the graph; every sharded tensor cut down to this rank's slice."""
+        self._tp = TensorParallel(self._make_group("tp"), self.comm)
+        self._train_gm.add_submodule(tp_rewrite.RUNTIME_ATTR, self._tp)
+        tensors = self._state_tensors()
+        self._full_shapes = {key: t.shape for key, t in tensors.items()}
+        done: set[int] = set()
+        for tensor in tensors.values():
+            placement = self._tp_placement_of.get(id(tensor))
+            if placement is not None and id(tensor) not in done:
+                done.add(id(tensor))
+                tensor.data = placement.local(tensor.data, self._tp.rank, self._tp.degree).clone()
+
+    def _tp_clip(self, max_norm: float) -> None:
+        """Global-norm clipping over tp shards: a sharded gradient counts on every tp rank, a replicated one once."""
+        params = [p for p in self._params.values() if p.grad is not None]
+        counted = [p.grad for p in params if id(p) in self._tp_placement_of or self._tp.rank == 0]
+        group = self._tp.group
+        clip_by_global_norm(counted, [p.grad for p in params], max_norm, lambda t: dist.all_reduce(t, group=group))
 
     def _setup_pipeline(self) -> None:
         """Groups, the channel, and this rank's share: its stages' tensors stay, the rest are released."""
@@ -555,7 +640,8 @@ class Program:
         elif zero == 0:
             sync = BucketedGradSync(self._flat_slots(GRAD_BUCKET), self.comm, self.plan.dp)
             optimizer = make_optimizer(factory, self.parameters())
-            self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()))
+            clip = self._tp_clip if self._tp is not None else None
+            self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()), clip)
         elif zero in (1, 2):
             layouts = self._flat_layouts(GRAD_BUCKET)
             self._trainer = ZeroDataParallel(layouts, zero, self.plan.offload, factory, self.comm, self._master_values)

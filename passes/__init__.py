@@ -17,6 +17,8 @@ from . import (
     pipeline_split,
     pipeline_stages,
     shape_prop,
+    tp_placement,
+    tp_rewrite,
     zero3_gather_free,
     zero_groups,
 )
@@ -38,4 +40,12 @@ def analyze(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | No
     return results
 
 
-__all__ += ["grad_buckets", "pipeline_split", "pipeline_stages", "zero3_gather_free", "zero_groups"]
+__all__ += [
+    "grad_buckets",
+    "pipeline_split",
+    "pipeline_stages",
+    "tp_placement",
+    "tp_rewrite",
+    "zero3_gather_free",
+    "zero_groups",
+]

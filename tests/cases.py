@@ -67,7 +67,8 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
         return transformers.GPT2LMHeadModel(cfg)
     if family == "llama":
         cfg = transformers.LlamaConfig(
-            num_hidden_layers=layers, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
+            num_hidden_layers=layers, hidden_size=32, num_attention_heads=8,
+            num_key_value_heads=shape.get("kv_heads", 4),
             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
@@ -342,3 +343,60 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def collectives_by_layer(gm: Any) -> dict[str, dict[str, int]]:
+    """The TP rewrite's collectives in a graph: per layer, "<op> fwd" / "<op> bwd" -> how many."""
+    from autoshard.meta import TP_COMM
+
+    out: dict[str, dict[str, int]] = {}
+    for node in gm.graph.nodes:
+        comm = node.meta.get(TP_COMM)
+        if comm is None:
+            continue
+        counts = out.setdefault(comm.layer, {})
+        for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
+            if op:
+                counts[f"{op} {phase}"] = counts.get(f"{op} {phase}", 0) + 1
+    return out
+
+
+def largest_collective_numel(gm: Any, sizes: dict[str, int]) -> int:
+    """The most elements any TP collective node of the graph moves, at the given symbol values."""
+    from autoshard.meta import TP_COMM, evaluate_expr, get_shape
+
+    numels = [
+        evaluate_expr(get_shape(n).tensor.numel, sizes) for n in gm.graph.nodes if n.meta.get(TP_COMM) is not None
+    ]
+    return max(numels, default=0)
+
+
+def train_tp(
+    rank: int,
+    world_size: int,
+    family: str,
+    mesh: dict[str, int],
+    plan: dict[str, Any] | None = None,
+    steps: int = 3,
+    **shape: Any,
+) -> dict[str, Any]:
+    """One rank of a tensor-parallel run: losses, consolidated state, collectives, and what the rank holds."""
+    case = build_case(family, steps, **shape)
+    full_bytes = {k: v.numel() * v.element_size() for k, v in case.model.state_dict().items()}
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan or "auto")
+    losses, volumes = train_local_batches(program, case)
+    gm = program.graph_modules[0]
+    held = {k: v.numel() * v.element_size() for k, v in program.state_dict().items()}
+    placements = {n: str(p["tp"]) for n, p in program.for_rank(rank).placements.items()}
+    return {
+        "losses": losses,
+        "state": program.full_state_dict(),
+        "local_state": {k: v.clone() for k, v in program.state_dict().items()},
+        "collectives": collectives_by_layer(gm),
+        "largest_collective": largest_collective_numel(gm, program.report.sizes),
+        "held_bytes": held,
+        "full_bytes": full_bytes,
+        "placements": placements,
+        "volumes": volumes,
+        "explain": program.explain(),
+    }

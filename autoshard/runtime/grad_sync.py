@@ -137,10 +137,18 @@ class BucketedGradSync:
 class DataParallelTrainer:
     """Plain data parallel: every rank keeps everything; gradients all-reduced in buckets."""
 
-    def __init__(self, sync: BucketedGradSync, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
+    def __init__(
+        self,
+        sync: BucketedGradSync,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        clip: Callable[[float], None] | None = None,
+    ):
+        """``clip``: clipping across the ranks that hold other shards of the model (tensor parallel)."""
         self.sync = sync
         self.optimizer = optimizer
         self.params = params
+        self.clip = clip
 
     def prepare(self) -> None:
         self.sync.prepare()
@@ -149,7 +157,9 @@ class DataParallelTrainer:
         self.sync.finish()
 
     def step(self, max_grad_norm: float | None) -> None:
-        if max_grad_norm is not None:
+        if max_grad_norm is not None and self.clip is not None:
+            self.clip(max_grad_norm)
+        elif max_grad_norm is not None:
             # Gradients are identical on every rank after the all-reduce: clip locally.
             torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
         self.optimizer.step()

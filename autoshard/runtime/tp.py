@@ -1,0 +1,259 @@
+"""Tensor-parallel collectives as autograd-aware graph ops, and the vocab-parallel embedding and loss.
+
+The TP rewrite (passes/tp_rewrite) inserts calls to the functions below into the graph; each takes
+the rank's ``TensorParallel`` module (a get_attr node named ``tp``) first, so the graph itself is the
+same on every rank. The pairs are Megatron's:
+
+    all_reduce      forward all-reduce, backward identity   (g: after a row-parallel linear)
+    copy            forward identity,   backward all-reduce (f: before a column-parallel region)
+    all_gather      forward all-gather, backward slice      (a sharded value needed whole)
+    scatter         forward slice,      backward all-gather (a replicated value needed sharded)
+    reduce_scatter  forward reduce-scatter, backward all-gather  (sequence parallel's g)
+    gather_rs       forward all-gather, backward reduce-scatter  (sequence parallel's f)
+
+Every collective is counted in the program's CommCounter under ``tp_<op>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard.errors import DistributedError
+from autoshard.placements import Shard
+from autoshard.runtime.comm import CommCounter
+
+__all__ = [
+    "TensorParallel",
+    "UnboundTensorParallel",
+    "all_gather",
+    "all_reduce",
+    "copy",
+    "gather_rs",
+    "reduce_scatter",
+    "scatter",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+
+class UnboundTensorParallel(nn.Module):
+    """The ``tp`` of a graph built for inspection; running it needs a Program under a process group."""
+
+    rank = 0
+
+    def __init__(self, degree: int) -> None:
+        super().__init__()
+        self.degree = degree
+
+    def _unbound(self, *_: Any) -> Any:
+        raise DistributedError(
+            "this tensor-parallel graph was built for inspection; run it through a Program compiled under a "
+            "process group"
+        )
+
+    sum_ = max_ = gather = reduce_scatter_ = _unbound
+
+
+class TensorParallel(UnboundTensorParallel):
+    """This rank's tensor-parallel group: its rank in it, the degree, and counted collectives."""
+
+    def __init__(self, group: dist.ProcessGroup | None, comm: CommCounter) -> None:
+        super().__init__(dist.get_world_size(group))
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.comm = comm
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) in place."""
+        self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce (max) in place."""
+        self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def gather(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
+        """Every rank's ``placement`` slice joined into the full tensor."""
+        tensor = tensor.contiguous()
+        pieces = [torch.empty_like(tensor) for _ in range(self.degree)]
+        self.comm.count("tp_all_gather", tensor.numel() * tensor.element_size() * self.degree)
+        dist.all_gather(pieces, tensor, group=self.group)
+        return placement.join(pieces)
+
+    def reduce_scatter_(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
+        """Sum over the group, keeping this rank's ``placement`` slice."""
+        pieces = [placement.local(tensor, r, self.degree).contiguous() for r in range(self.degree)]
+        out = torch.empty_like(pieces[0])
+        self.comm.count("tp_reduce_scatter", tensor.numel() * tensor.element_size())
+        dist.reduce_scatter(out, pieces, group=self.group)
+        return out
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+        return tp.sum_(x.clone())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, ctx.tp.sum_(grad.clone())
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+        ctx.tp, ctx.placement = tp, placement
+        return tp.gather(x, placement)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        return None, ctx.placement.local(grad, ctx.tp.rank, ctx.tp.degree).contiguous(), None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+        ctx.tp, ctx.placement = tp, placement
+        return placement.local(x, tp.rank, tp.degree).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        return None, ctx.tp.gather(grad, ctx.placement), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+        ctx.tp, ctx.placement = tp, placement
+        return tp.reduce_scatter_(x, placement)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        return None, ctx.tp.gather(grad, ctx.placement), None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+        ctx.tp, ctx.placement = tp, placement
+        return tp.gather(x, placement)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        return None, ctx.tp.reduce_scatter_(grad.contiguous(), ctx.placement), None
+
+
+def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """Partial -> Replicate: sum the ranks' partial values (backward: identity)."""
+    return _AllReduce.apply(tp, x)
+
+
+def copy(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """A replicated value entering sharded work: identity (backward: sum the ranks' partial gradients)."""
+    return _Copy.apply(tp, x)
+
+
+def all_gather(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Shard -> Replicate (backward: keep this rank's slice)."""
+    return _AllGather.apply(tp, x, Shard(dim, blocks))
+
+
+def scatter(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Replicate -> Shard: this rank's slice, no communication (backward: all-gather)."""
+    return _Scatter.apply(tp, x, Shard(dim, blocks))
+
+
+def reduce_scatter(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Partial -> Shard (sequence parallel's exit from a row-parallel linear; backward: all-gather)."""
+    return _ReduceScatter.apply(tp, x, Shard(dim))
+
+
+def gather_rs(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Shard -> Replicate before sharded work (sequence parallel's entry; backward: reduce-scatter)."""
+    return _GatherReduceScatter.apply(tp, x, Shard(dim))
+
+
+def vocab_parallel_embedding(
+    tp: TensorParallel, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1
+) -> torch.Tensor:
+    """Lookup in this rank's rows of the table; other ranks' ids give zeros (a Partial result)."""
+    rows = weight.shape[0]
+    start = tp.rank * rows
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    # F.embedding reads a negative padding_idx from the end; None is "no padding row".
+    local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else None
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, padding_idx=local_padding)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's cross-entropy over class-sharded logits: two all-reduces of [N] values, never the logits."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tp: TensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int
+    ) -> torch.Tensor:
+        classes = logits.shape[1]
+        start = tp.rank * classes
+        row_max = logits.detach().amax(dim=1)
+        tp.max_(row_max)
+        shifted = logits - row_max.unsqueeze(1)
+        valid = target != ignore_index
+        local = target - start
+        mine = valid & (local >= 0) & (local < classes)
+        index = local.clamp(0, classes - 1).masked_fill(~mine, 0)
+        picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        both = torch.stack([exp.sum(dim=1), picked])
+        tp.sum_(both)  # one all-reduce for the sum of exponentials and the target's logit
+        sum_exp, picked = both[0], both[1]
+        losses = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), index, mine, valid)
+        ctx.reduction, ctx.count = reduction, count
+        if reduction == 0:
+            return losses
+        if reduction == 2:
+            return losses.sum()
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, index, mine, valid = ctx.saved_tensors
+        grad_logits = softmax
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, index] -= mine.to(grad_logits.dtype)
+        grad_logits.mul_(valid.unsqueeze(1).to(grad_logits.dtype))
+        if ctx.reduction == 0:
+            grad_logits.mul_(grad.unsqueeze(1))
+        elif ctx.reduction == 2:
+            grad_logits.mul_(grad)
+        else:
+            grad_logits.mul_(grad / ctx.count)
+        return None, grad_logits, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    tp: TensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int = 1, ignore_index: int = -100
+) -> torch.Tensor:
+    """``aten.cross_entropy_loss`` for logits sharded over classes (dim 1); the loss is replicated."""
+    return _VocabParallelCrossEntropy.apply(tp, logits, target, reduction, ignore_index)

@@ -1,0 +1,348 @@
+"""Tensor-parallel placements: which weights to shard and how, and every value's placement along ``tp``.
+
+Reads:  autoshard.shape
+Writes: autoshard.tp (meta.TpPlacement) on every node but the output; returns a TpReport
+
+The search shards every matrix weight it can without a forward all-gather, and so finds Megatron's
+layout rather than being told it:
+
+1. Weights are seeds in order of first use. A linear's weight is tried column-parallel (output
+   features sharded), an embedding's table vocab-parallel (rows sharded).
+2. The rules (autoshard.sharding_rules) propagate placements through the whole graph; where an op
+   wants an input in another placement, that is a redistribution. Redistributions the seed made
+   are fixed where a weight not yet decided can absorb them:
+   - a linear whose input arrives sharded on its features becomes row-parallel (its output is
+     Partial, one all-reduce later, where something needs it whole);
+   - an op that wants a replicated input sharded (attention wanting k and v split by heads like q,
+     the SwiGLU product wanting the up projection split like the gate) pulls the linears that
+     produce it into the region as column-parallel, unless that makes things worse (too few heads);
+   - a split of a column-sharded value into equal parts (fused QKV) makes the seed's shard strided
+     (``Shard(dim, blocks)``), so every rank holds its own q, k and v heads;
+   - a bias or other parameter wanted sharded is sharded.
+3. The region is kept if it needs no forward all-gather (an all-reduce or a local slice is fine);
+   otherwise its seed stays replicated and the report says which op stopped it.
+
+An op with no rule gets its inputs replicated; the report lists those ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autoshard.meta import TP, TpPlacement, get_shape
+from autoshard.placements import Partial, Placement, Replicate, Shard
+from autoshard.sharding_rules import RULES, Decision, RuleInput, matmul_dims, replicate_all
+
+from .infra import PassResult
+
+__all__ = ["READS", "WRITES", "Redistribution", "TpReport", "run"]
+
+READS = ("autoshard.shape",)
+WRITES = (TP,)
+
+aten = torch.ops.aten
+R = Replicate()
+_TRANSPARENT_LIMIT = 64  # nodes walked back from a wanted input when looking for linears to pull in
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """An input ``source`` that ``consumer`` reads in placement ``dst`` although it was made in ``src``."""
+
+    consumer: str
+    source: str
+    src: Placement
+    dst: Placement
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.src, Partial):
+            return "all_reduce" if self.dst == R else "reduce_scatter"
+        if isinstance(self.src, Shard):
+            return "all_gather" if self.dst == R else "all_to_all"
+        return "slice"
+
+    def __str__(self) -> str:
+        return f"{self.consumer} reads {self.source} as {self.dst}, made {self.src}: {self.kind}"
+
+
+@dataclass
+class TpReport:
+    """What the search decided: each weight's placement, the seeds it left whole and why, unruled ops."""
+
+    degree: int
+    weights: dict[str, Placement] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)  # weight target -> why it stays whole
+    unruled: dict[str, int] = field(default_factory=dict)  # op -> how many nodes
+    redistributions: list[Redistribution] = field(default_factory=list)
+
+    def sharded_fraction(self, sizes: dict[str, int]) -> float:
+        total = sum(sizes.values()) or 1
+        return sum(n for t, n in sizes.items() if isinstance(self.weights.get(t), Shard)) / total
+
+
+@dataclass
+class _Propagation:
+    out: dict[fx.Node, object]
+    decisions: dict[fx.Node, Decision]
+    wants: list[tuple[fx.Node, fx.Node, Placement, Placement]]  # consumer, source, src, dst
+
+    def bad(self) -> set[tuple[fx.Node, fx.Node, Placement]]:
+        """Redistributions that cost a forward all-gather (or worse)."""
+        return {(u, a, dst) for u, a, src, dst in self.wants if isinstance(src, Shard)}
+
+
+def _propagate(gm: fx.GraphModule, weights: dict[str, Placement], degree: int) -> _Propagation:
+    out: dict[fx.Node, object] = {}
+    decisions: dict[fx.Node, Decision] = {}
+    wants = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node] = R
+        elif node.op == "get_attr":
+            out[node] = weights.get(node.target, R)
+        elif node.op == "call_function":
+            ctx = RuleInput(node, out, degree)
+            rule = RULES.get(node.target)
+            decision = rule(ctx) if rule is not None else replicate_all(ctx)
+            for source, dst in decision.want.items():
+                src = ctx.p(source)
+                if src != dst:
+                    wants.append((node, source, src, dst))
+            decisions[node] = decision
+            out[node] = decision.out
+    return _Propagation(out, decisions, wants)
+
+
+def _trainable_matrix(gm: fx.GraphModule, node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return False
+    shape = get_shape(node)
+    return shape.requires_grad and len(shape.tensor.sizes) == 2
+
+
+def _seeds(gm: fx.GraphModule) -> list[fx.Node]:
+    """Linear-like and embedding nodes whose weight is a trainable matrix, in graph order."""
+    seeds = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        dims = matmul_dims(node.target)
+        weight = node.args[dims[1]] if dims else node.args[0] if node.target == aten.embedding.default else None
+        if _trainable_matrix(gm, weight):
+            seeds.append(node)
+    return seeds
+
+
+def _weight_of(node: fx.Node) -> fx.Node:
+    dims = matmul_dims(node.target)
+    return node.args[dims[1]] if dims else node.args[0]
+
+
+def _bias_of(node: fx.Node) -> fx.Node | None:
+    if node.target == aten.addmm.default:
+        bias = node.args[0]
+    elif node.target == aten.linear.default:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    else:
+        bias = None
+    return bias if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+
+
+def _column(node: fx.Node, blocks: int = 1) -> Placement:
+    dims = matmul_dims(node.target)
+    return Shard(dims[2] if dims else 0, blocks)  # an embedding: rows (the vocabulary)
+
+
+def _row(node: fx.Node) -> Placement:
+    return Shard(1 - matmul_dims(node.target)[2])
+
+
+def _fits(node: fx.Node, placement: Shard, degree: int) -> bool:
+    size = get_shape(_weight_of(node)).tensor.sizes[placement.dim]
+    return size.is_Integer and int(size) % (placement.blocks * degree) == 0
+
+
+class _Search:
+    def __init__(self, gm: fx.GraphModule, degree: int) -> None:
+        self.gm = gm
+        self.degree = degree
+        self.committed: dict[str, Placement] = {}
+        self.users_of = {
+            n.target: [u for u in n.users if u.op == "call_function"] for n in gm.graph.nodes if n.op == "get_attr"
+        }
+
+    def seed_placement(self, trial: dict[str, Placement], node: fx.Node, placement: Shard) -> None:
+        trial[_weight_of(node).target] = placement
+        bias = _bias_of(node)
+        if bias is not None and matmul_dims(node.target) and placement.dim == matmul_dims(node.target)[2]:
+            trial[bias.target] = Shard(0, placement.blocks)
+
+    def undecided(self, trial: dict[str, Placement], target: str) -> bool:
+        return target not in self.committed and target not in trial
+
+    def pull_candidates(self, prop: _Propagation, start: fx.Node, trial: dict[str, Placement]) -> list[fx.Node]:
+        """Linears with undecided weights that make ``start`` through shape and elementwise ops."""
+        found, stack, seen = [], [start], set()
+        while stack and len(seen) < _TRANSPARENT_LIMIT:
+            node = stack.pop()
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            dims = matmul_dims(node.target)
+            if dims and _trainable_matrix(self.gm, node.args[dims[1]]):
+                if self.undecided(trial, node.args[dims[1]].target) and prop.out.get(node.args[dims[0]]) == R:
+                    found.append(node)
+                continue
+            if node.target in _TRANSPARENT:
+                stack.extend(a for a in node.all_input_nodes if get_shape(a).requires_grad)
+        return found
+
+    def col_ancestor(self, start: fx.Node, trial: dict[str, Placement]) -> fx.Node | None:
+        """The tentatively column-parallel linear a value comes from through view-like ops."""
+        node, steps = start, 0
+        while node.op == "call_function" and steps < _TRANSPARENT_LIMIT:
+            dims = matmul_dims(node.target)
+            if dims:
+                weight = node.args[dims[1]]
+                ok = isinstance(weight, fx.Node) and weight.target in trial and weight.target not in self.committed
+                return node if ok else None
+            if node.target not in _VIEWS:
+                return None
+            node, steps = node.args[0], steps + 1
+        return None
+
+    def fix(self, prop: _Propagation, trial: dict[str, Placement], banned: set[fx.Node]) -> bool:
+        """Let undecided weights absorb one redistribution the trial caused; False when none can."""
+        for consumer, source, src, dst in prop.wants:
+            dims = matmul_dims(consumer.target)
+            # A linear fed features sharded: row-parallel.
+            if (
+                dims
+                and source is consumer.args[dims[0]]
+                and isinstance(src, Shard)
+                and src.blocks == 1
+                and src.dim == len(get_shape(source).tensor.sizes) - 1
+                and dst == R
+                and _trainable_matrix(self.gm, consumer.args[dims[1]])
+                and self.undecided(trial, consumer.args[dims[1]].target)
+                and _fits(consumer, _row(consumer), self.degree)
+            ):
+                trial[consumer.args[dims[1]].target] = _row(consumer)
+                return True
+            if not isinstance(dst, Shard):
+                continue
+            # A fused projection split into equal parts: the seed's shard strided by the parts.
+            if isinstance(src, Shard) and src.dim == dst.dim and src.blocks != dst.blocks:
+                linear = self.col_ancestor(source, trial)
+                if linear is not None and _fits(linear, _column(linear, dst.blocks), self.degree):
+                    self.seed_placement(trial, linear, _column(linear, dst.blocks))
+                    return True
+                continue
+            if src != R:
+                continue
+            # A parameter wanted sharded (a column-parallel linear's bias, an embedding's partner).
+            if source.op == "get_attr" and get_shape(source).requires_grad and self.undecided(trial, source.target):
+                trial[source.target] = dst
+                return True
+            # A replicated activation wanted sharded: pull its linears in as column-parallel.
+            if get_shape(source).requires_grad:
+                pulled = [
+                    n
+                    for n in self.pull_candidates(prop, source, trial)
+                    if n not in banned and _fits(n, _column(n), self.degree)
+                ]
+                if pulled:
+                    before = prop.bad()
+                    for n in pulled:
+                        self.seed_placement(trial, n, _column(n))
+                    after = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+                    if after.bad() - before:  # it made things worse (e.g. too few KV heads): slice instead
+                        for n in pulled:
+                            trial.pop(_weight_of(n).target, None)
+                            bias = _bias_of(n)
+                            if bias is not None:
+                                trial.pop(bias.target, None)
+                        banned.update(pulled)
+                        continue
+                    return True
+        return False
+
+    def run(self, report: TpReport) -> _Propagation:
+        base = _propagate(self.gm, self.committed, self.degree)
+        for seed in _seeds(self.gm):
+            weight = _weight_of(seed)
+            if weight.target in self.committed:
+                continue
+            placement = _column(seed)
+            if not _fits(seed, placement, self.degree):
+                size = get_shape(weight).tensor.sizes[placement.dim]
+                report.replicated[weight.target] = f"{size} rows/features not divisible by tp={self.degree}"
+                continue
+            trial: dict[str, Placement] = {}
+            self.seed_placement(trial, seed, placement)
+            banned: set[fx.Node] = set()
+            prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+            for _ in range(4 * len(self.users_of) + 8):
+                if not self.fix(prop, trial, banned):
+                    break
+                prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+            new_bad = prop.bad() - base.bad()
+            if new_bad:
+                consumer, source, _ = min(new_bad, key=lambda b: list(self.gm.graph.nodes).index(b[0]))
+                report.replicated[weight.target] = (
+                    f"sharding it would make {consumer.name} ({consumer.target}) gather {source.name}"
+                )
+                continue
+            self.committed.update(trial)
+            base = prop
+        return base
+
+
+# Ops a column shard passes through unchanged (views) and, for pulling linears in, also elementwise.
+_VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+    aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
+    aten.to.dtype, aten.to.dtype_layout, aten.contiguous.default, aten.clone.default,
+}  # fmt: skip
+_TRANSPARENT = _VIEWS | {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.cat.default,
+    aten.dropout.default, aten.gelu.default, aten.silu.default, aten.tanh.default, aten.relu.default,
+}  # fmt: skip
+
+
+def run(gm: fx.GraphModule, degree: int) -> tuple[TpReport, PassResult]:
+    report = TpReport(degree)
+    prop = _Search(gm, degree).run(report)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "call_function":
+            decision = prop.decisions[node]
+            inputs = {a: decision.want.get(a, prop.out[a]) for a in node.all_input_nodes}
+            has_rule = node.target in RULES
+            if not has_rule:
+                name = str(node.target)
+                report.unruled[name] = report.unruled.get(name, 0) + 1
+            node.meta[TP] = TpPlacement(
+                out=prop.out[node], inputs=tuple(inputs.get(a, R) for a in node.all_input_nodes), note=decision.note
+            )
+        else:
+            node.meta[TP] = TpPlacement(out=prop.out[node], inputs=(), note="")
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users and get_shape(node).requires_grad:
+            report.weights[node.target] = prop.out[node]
+    report.redistributions = [Redistribution(u.name, a.name, src, dst) for u, a, src, dst in prop.wants if src != dst]
+    sharded = sum(isinstance(p, Shard) for p in report.weights.values())
+    kinds: dict[str, int] = {}
+    for r in report.redistributions:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    summary = (
+        f"tp={degree}: {sharded} of {len(report.weights)} parameters sharded; redistributions "
+        f"{dict(sorted(kinds.items())) or 'none'}; {sum(report.unruled.values())} nodes of "
+        f"{len(report.unruled)} ops without a rule (replicated)"
+    )
+    return report, PassResult("tp_placement", False, summary)

@@ -1,0 +1,278 @@
+"""The tensor-parallel rewrite: local sizes, vocab-parallel ops, and explicit collectives at placement changes.
+
+Reads:  autoshard.tp, autoshard.shape, autoshard.layer
+Writes: autoshard.tp_comm (meta.TpCollective) on every collective it inserts; updates autoshard.shape
+        to local sizes on sharded values (parameters included, so gradient buckets size the shards)
+
+After tp_placement has chosen every value's placement, this pass makes the graph compute each
+rank's share. The graph stays the same on every rank: collectives and rank-dependent ops read the
+rank's ``TensorParallel`` module (get_attr ``tp``). Where an op reads an input in another placement
+than it was made in, a redistribution goes between (one per value and placement, shared by every
+reader):
+
+    Partial -> Replicate   tp.all_reduce     (Megatron's g; backward: identity)
+    Shard   -> Replicate   tp.all_gather     (backward: slice)
+    Replicate -> Shard     tp.scatter        (a local slice; backward: all-gather)
+    Partial -> Shard       tp.reduce_scatter (backward: all-gather)
+
+A replicated value that requires grad and feeds an op whose result is sharded or partial (the input
+of a column-parallel linear) gets each rank's gradient only partially: it is read through
+``tp.copy`` (Megatron's f: identity forward, all-reduce backward), one per value, so q, k and v
+projections of one input share a single backward all-reduce.
+
+Op rewrites: literal sizes in view/reshape/expand/split arguments become local sizes; an embedding
+with rows sharded becomes ``tp.vocab_parallel_embedding``; cross_entropy_loss over class-sharded
+logits becomes ``tp.vocab_parallel_cross_entropy``; a row-parallel linear with a bias adds the bias
+after its all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard.meta import (
+    LAYER,
+    SHAPE,
+    TP,
+    TP_COMM,
+    NodeShape,
+    TensorShape,
+    TpCollective,
+    TpPlacement,
+    get_shape,
+    get_tp,
+)
+from autoshard.placements import Partial, Placement, Replicate, Shard
+from autoshard.runtime import tp as tp_ops
+from autoshard.sharding_rules import matmul_dims
+
+from .infra import PassResult
+
+__all__ = ["READS", "RUNTIME_ATTR", "WRITES", "run"]
+
+READS = ("autoshard.tp", "autoshard.shape", "autoshard.layer")
+WRITES = (TP_COMM,)
+
+RUNTIME_ATTR = "tp"
+aten = torch.ops.aten
+R = Replicate()
+
+
+def _local_tensor(shape: TensorShape | None, placement: Any, degree: int) -> TensorShape | None:
+    if shape is None or not isinstance(placement, Shard):
+        return shape
+    sizes = list(shape.sizes)
+    sizes[placement.dim] = sympy.simplify(sizes[placement.dim] / degree)
+    return TensorShape(tuple(sizes), shape.dtype, shape.requires_grad)
+
+
+def _local_shape(shape: NodeShape, placement: Any, degree: int) -> NodeShape:
+    if shape.scalar is not None:
+        return shape
+    placements = placement if isinstance(placement, tuple) else (placement,) * len(shape.tensors)
+    return NodeShape(tensors=tuple(_local_tensor(t, p, degree) for t, p in zip(shape.tensors, placements)))
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, degree: int) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.degree = degree
+        self.cache: dict[tuple[fx.Node, Any], fx.Node] = {}
+        self.collectives = 0
+        first = next(iter(self.graph.nodes))
+        with self.graph.inserting_before(first):
+            self.tp = self.graph.get_attr(RUNTIME_ATTR)
+        self.tp.meta[SHAPE] = NodeShape()
+        self.tp.meta[LAYER] = "(top)"
+        self.tp.meta[TP] = TpPlacement(out=R, inputs=())
+
+    def placement(self, node: fx.Node) -> Any:
+        return get_tp(node).out
+
+    def _insert(
+        self, after: fx.Node, fn: Any, args: tuple, out: Placement, comm: TpCollective | None, shape: NodeShape
+    ) -> fx.Node:
+        with self.graph.inserting_after(after):
+            node = self.graph.call_function(fn, (self.tp, *args))
+        node.meta[SHAPE] = shape
+        node.meta[LAYER] = comm.layer if comm is not None else after.meta.get(LAYER, "(top)")
+        node.meta[TP] = TpPlacement(out=out, inputs=(R, self.placement(after)))
+        if comm is not None and (comm.forward or comm.backward):
+            node.meta[TP_COMM] = comm
+            self.collectives += 1
+        return node
+
+    def redistribute(self, source: fx.Node, src: Placement, dst: Placement, consumer: fx.Node) -> fx.Node:
+        key = (source, dst)
+        if key in self.cache:
+            return self.cache[key]
+        full = get_shape(source)  # local sizes: a partial value has the full tensor's
+        grad = full.requires_grad
+        if isinstance(src, Shard):  # gather first; then slice if a shard was wanted
+            whole_shape = self._full_shape(source, src)
+            node = self._insert(
+                source, tp_ops.all_gather, (source, src.dim, src.blocks), R,
+                TpCollective("all_gather", None, source.meta.get(LAYER, "(top)"), f"{consumer.name} reads it whole"),
+                whole_shape,
+            )  # fmt: skip
+            if dst != R:
+                node = self._insert(
+                    node, tp_ops.scatter, (node, dst.dim, dst.blocks), dst,
+                    TpCollective(None, "all_gather" if grad else None, consumer.meta.get(LAYER, "(top)"),
+                                 f"{consumer.name} reads it as {dst}"),
+                    _local_shape(whole_shape, dst, self.degree),
+                )  # fmt: skip
+        elif isinstance(src, Partial):
+            if dst == R:
+                node = self._insert(
+                    source, tp_ops.all_reduce, (source,), R,
+                    TpCollective("all_reduce", None, source.meta.get(LAYER, "(top)"),
+                                 f"{consumer.name} reads it whole"),
+                    full,
+                )  # fmt: skip
+            else:
+                node = self._insert(
+                    source, tp_ops.reduce_scatter, (source, dst.dim), dst,
+                    TpCollective("reduce_scatter", "all_gather", source.meta.get(LAYER, "(top)"),
+                                 f"{consumer.name} reads it as {dst}"),
+                    _local_shape(full, dst, self.degree),
+                )  # fmt: skip
+        else:
+            node = self._insert(
+                source, tp_ops.scatter, (source, dst.dim, dst.blocks), dst,
+                TpCollective(None, "all_gather" if grad else None, consumer.meta.get(LAYER, "(top)"),
+                             f"{consumer.name} reads it as {dst}"),
+                _local_shape(full, dst, self.degree),
+            )  # fmt: skip
+        self.cache[key] = node
+        return node
+
+    def _full_shape(self, source: fx.Node, placement: Shard) -> NodeShape:
+        local = get_shape(source).tensor
+        sizes = list(local.sizes)
+        sizes[placement.dim] = sympy.simplify(sizes[placement.dim] * self.degree)
+        return NodeShape(tensors=(TensorShape(tuple(sizes), local.dtype, local.requires_grad),))
+
+    def copy(self, source: fx.Node, consumer: fx.Node) -> fx.Node:
+        key = (source, "copy")
+        if key not in self.cache:
+            self.cache[key] = self._insert(
+                source, tp_ops.copy, (source,), R,
+                TpCollective(None, "all_reduce", consumer.meta.get(LAYER, "(top)"),
+                             f"{consumer.name} makes its gradient partial"),
+                get_shape(source),
+            )  # fmt: skip
+        return self.cache[key]
+
+    def rewrite_inputs(self, node: fx.Node) -> None:
+        record = get_tp(node)
+        wanted = dict(zip(node.all_input_nodes, record.inputs))
+        for source, dst in wanted.items():
+            src = self.placement(source)
+            if isinstance(src, tuple) or src == dst:
+                continue
+            node.replace_input_with(source, self.redistribute(source, src, dst, node))
+        out = record.out
+        sharded_out = any(not isinstance(p, Replicate) for p in (out if isinstance(out, tuple) else (out,)))
+        if not sharded_out:
+            return
+        for source in list(node.all_input_nodes):
+            if source is self.tp or TP_COMM in source.meta:
+                continue
+            shape = get_shape(source)
+            if shape.scalar is None and shape.requires_grad and self.placement(source) == R:
+                node.replace_input_with(source, self.copy(source, node))
+
+    def rewrite_op(self, node: fx.Node) -> None:
+        record = get_tp(node)
+        out, target = record.out, node.target
+        degree = self.degree
+        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+            if isinstance(out, Shard):
+                sizes = list(node.args[1])
+                size = sizes[out.dim]
+                if isinstance(size, int) and size != -1:
+                    sizes[out.dim] = size // degree
+                node.args = (node.args[0], sizes, *node.args[2:])
+        elif target in (aten.split.Tensor, aten.split_with_sizes.default):
+            source_placement = record.inputs[0]
+            nd = len(get_shape(node.args[0]).tensor.sizes)
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+            if isinstance(source_placement, Shard) and source_placement.dim == dim:
+                sizes = node.args[1]
+                sizes = [s // degree for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // degree
+                node.args = (node.args[0], sizes, *node.args[2:])
+        elif target == aten.embedding.default and record.inputs[0] == Shard(0):
+            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target = tp_ops.vocab_parallel_embedding
+            node.args, node.kwargs = (self.tp, node.args[0], node.args[1], padding), {}
+        elif target == aten.cross_entropy_loss.default and record.inputs[0] == Shard(1):
+            reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+            ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+            node.target = tp_ops.vocab_parallel_cross_entropy
+            node.args, node.kwargs = (self.tp, node.args[0], node.args[1], reduction, ignore), {}
+        elif matmul_dims(target) and record.note.startswith("row-parallel, bias"):
+            self.bias_after_reduce(node)
+
+    def bias_after_reduce(self, node: fx.Node) -> None:
+        """linear(x, W, b) / addmm(b, x, W), row-parallel: all-reduce the product, then add the bias once."""
+        if node.target == aten.addmm.default:
+            bias, x, w = node.args[:3]
+            product_args: tuple = (x, w)
+            product_fn = aten.mm.default
+        else:
+            x, w, bias = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
+            product_args, product_fn = (x, w), aten.linear.default
+        with self.graph.inserting_before(node):
+            product = self.graph.call_function(product_fn, product_args)
+        product.meta.update({k: v for k, v in node.meta.items() if k != TP})
+        product.meta[TP] = TpPlacement(out=Partial(), inputs=(Shard(len(get_shape(x).tensor.sizes) - 1), Shard(0)))
+        reduced = self._insert(
+            product, tp_ops.all_reduce, (product,), R,
+            TpCollective("all_reduce", None, node.meta.get(LAYER, "(top)"), f"{node.name} is row-parallel"),
+            get_shape(node),
+        )  # fmt: skip
+        node.target = aten.add.Tensor
+        node.args, node.kwargs = (reduced, bias), {}
+
+    def run(self) -> None:
+        for node in self.graph.nodes:  # local sizes first: the inserted nodes' sizes derive from them
+            if node.op in ("call_function", "get_attr") and node is not self.tp:
+                node.meta[SHAPE] = _local_shape(get_shape(node), get_tp(node).out, self.degree)
+        for node in list(self.graph.nodes):
+            if node.op == "call_function" and node.meta.get(TP) is not None and TP_COMM not in node.meta:
+                if node is self.tp or node.target in _INSERTED:
+                    continue
+                self.rewrite_inputs(node)
+                self.rewrite_op(node)
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        output.meta[TP] = TpPlacement(
+            out=tuple(self.placement(o) if isinstance(o, fx.Node) else R for o in outs), inputs=()
+        )
+
+
+_INSERTED = {
+    tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.scatter, tp_ops.reduce_scatter, tp_ops.gather_rs,
+}  # fmt: skip
+
+
+def run(gm: fx.GraphModule, degree: int) -> PassResult:
+    gm.add_submodule(RUNTIME_ATTR, tp_ops.UnboundTensorParallel(degree))
+    rewriter = _Rewriter(gm, degree)
+    rewriter.run()
+    gm.graph.lint()
+    gm.recompile()
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        comm = node.meta.get(TP_COMM)
+        if comm is not None:
+            for phase, op in (("forward", comm.forward), ("backward", comm.backward)):
+                if op:
+                    counts[f"{op} ({phase})"] = counts.get(f"{op} ({phase})", 0) + 1
+    return PassResult("tp_rewrite", True, f"{rewriter.collectives} collectives inserted: {counts or 'none'}")
