@@ -180,7 +180,9 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     _check_batch(captured.example_sizes["B"], chosen.dp)
     schedule, stages, tp_report = None, None, None
     if chosen.tp > 1:
-        tp_report, result = passes.tp_placement.run(captured.gm, chosen.tp)
+        tp_report, result = passes.tp_placement.run(
+            captured.gm, chosen.tp, chosen.sequence_parallel, captured.example_sizes
+        )
         results.append(result)
         if not any(isinstance(p, Shard) for p in tp_report.weights.values()):
             reasons = "; ".join(f"{t.removeprefix('model.')}: {why}" for t, why in tp_report.replicated.items())
@@ -188,7 +190,8 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
                 f"tp={chosen.tp} shards none of {captured.model_name}'s weights ({reasons or 'no matrix weights'}); "
                 f"use tp=1, or a tp degree that divides the model's heads and hidden sizes"
             )
-        results.append(passes.tp_rewrite.run(captured.gm, chosen.tp))
+        tp_report.partial_grad_params, result = passes.tp_rewrite.run(captured.gm, chosen.tp, chosen.sequence_parallel)
+        results.append(result)
     if chosen.pp > 1:
         schedule, stages = _build_pipeline(captured.gm, chosen, captured.example_sizes, results)
     else:

@@ -43,6 +43,8 @@ class Plan:
     max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
     param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
                       shards (needs zero >= 1). The model is converted in place. None: the model's dtype.
+    sequence_parallel with tp > 1: layer norms, dropout and residual adds work on sequence shards, and the
+                      all-reduces of tensor parallelism become all-gathers and reduce-scatters
     """
 
     dp: int = 1
@@ -57,6 +59,7 @@ class Plan:
     bucket_mb: float = 25.0
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Schedule):
@@ -100,6 +103,10 @@ class Plan:
             )
         if self.offload and self.zero == 0:
             raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"plan field sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
 
     @property
     def schedule_name(self) -> str:
@@ -132,14 +139,18 @@ class Plan:
         """Raise naming what this plan asks for that is not implemented (``missing``: as the planner found it)."""
         missing = self.not_implemented() if missing is None else missing
         if missing:
-            fixes = (["tp=1"] if self.tp > 1 and (self.pp > 1 or self.zero > 0) else []) + (
-                ["zero=0 or pp=1"] if self.pp > 1 and self.zero > 0 else []
-            )
+            fixes = []
+            if self.tp > 1 and self.pp > 1:
+                fixes.append("tp=1 or pp=1")
+            if self.tp > 1 and self.zero > 0:
+                fixes.append("tp=1 or zero=0")
+            if self.pp > 1 and self.zero > 0:
+                fixes.append("zero=0 or pp=1")
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
                 f"it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
                 f"parallelism (with dp, without ZeRO or pp): "
-                f"use {', '.join(fixes) or 'another plan'}"
+                f"use {'; '.join(fixes) or 'another plan'}"
             )
 
     @classmethod
@@ -167,4 +178,6 @@ class Plan:
             parts.append(f"max_grad_norm={self.max_grad_norm:g}")
         if self.param_dtype is not None:
             parts.append(f"param_dtype={str(self.param_dtype).removeprefix('torch.')}")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel")
         return "Plan(" + ", ".join(parts) + ")"

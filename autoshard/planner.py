@@ -192,6 +192,8 @@ def choose_plan(
         for zero in zeros:
             if zero > 0 and dp == 1 and "zero" not in overrides:
                 continue
+            if overrides.get("sequence_parallel") and tp == 1 and len(shapes) > 1:
+                continue  # sequence parallelism shards over tp: only meshes with tp > 1 qualify
             fields = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero}
             if pp > 1 and "microbatches" not in overrides:
                 schedule = fields.get("schedule", "1f1b")

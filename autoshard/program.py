@@ -337,6 +337,8 @@ class Program:
             work = dist.all_reduce(loss_sum, group=self._dp_group, async_op=True)
         loss.backward()
         trainer.finish()
+        if self._tp is not None:
+            self._sum_partial_grads()
         self.last_step_memory = trainer.memory()
         trainer.step(self.plan.max_grad_norm)
         if work is not None:
@@ -460,6 +462,21 @@ class Program:
             if placement is not None and id(tensor) not in done:
                 done.add(id(tensor))
                 tensor.data = placement.local(tensor.data, self._tp.rank, self._tp.degree).clone()
+
+    def _sum_partial_grads(self) -> None:
+        """Replicated weights used on sequence shards (norms, split biases): sum their gradients over tp, at once."""
+        grads = [
+            p.grad
+            for p in (self._train_gm.get_parameter(t) for t in self.tp_report.partial_grad_params)
+            if p.grad is not None
+        ]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._tp.sum_(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _tp_clip(self, max_norm: float) -> None:
         """Global-norm clipping over tp shards: a sharded gradient counts on every tp rank, a replicated one once."""

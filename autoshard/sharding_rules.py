@@ -25,7 +25,7 @@ from torch import fx
 from autoshard.meta import get_shape
 from autoshard.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["RULES", "Decision", "RuleInput", "matmul_dims", "view_groups"]
+__all__ = ["RULES", "Decision", "RuleInput", "matmul_dims", "sequence_dim", "view_groups"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -53,6 +53,9 @@ class RuleInput:
     node: fx.Node
     placements: dict[fx.Node, Out]
     degree: int
+    sequence_parallel: bool = False
+    example_sizes: dict[str, int] | None = None  # symbol values of the example batch
+
 
     def p(self, arg: Any) -> Placement:
         if not isinstance(arg, fx.Node):
@@ -70,8 +73,17 @@ class RuleInput:
         return get_shape(self.node).tensor.sizes
 
     def divisible(self, size: sympy.Expr, blocks: int = 1) -> bool:
-        """Whether a static size splits into ``blocks`` x degree equal parts (symbolic sizes: never here)."""
-        return size.is_Integer and int(size) % (blocks * self.degree) == 0
+        """Whether a size splits into ``blocks`` x degree equal parts.
+
+        A symbolic size (the sequence length) is judged at the example's value, and only with sequence
+        parallelism: the runtime checks every step's length again.
+        """
+        if size.is_Integer:
+            return int(size) % (blocks * self.degree) == 0
+        if self.sequence_parallel and self.example_sizes is not None:
+            value = size.subs({s: self.example_sizes.get(s.name, 0) for s in size.free_symbols})
+            return value.is_Integer and int(value) > 0 and int(value) % (blocks * self.degree) == 0
+        return False
 
     def tensor_inputs(self) -> list[fx.Node]:
         return [a for a in self.node.all_input_nodes if _is_tensor(a)]
@@ -97,6 +109,11 @@ def replicate_all(ctx: RuleInput) -> Decision:
     tensors = get_shape(ctx.node).tensors
     out = tuple(R for _ in tensors) if len(tensors) > 1 else R
     return Decision(out, want)
+
+
+def sequence_dim(sizes: Sequence[sympy.Expr]) -> int | None:
+    """The dimension whose size is the sequence symbol S, if any."""
+    return next((i for i, size in enumerate(sizes) if isinstance(size, sympy.Symbol) and size.name == "S"), None)
 
 
 def _no_output(ctx: RuleInput) -> Decision:
@@ -349,6 +366,8 @@ def _matmul_weight(ctx: RuleInput) -> Decision:
         if isinstance(bias, fx.Node):
             if ctx.p(bias) != R:
                 want[bias] = R
+            if ctx.sequence_parallel:  # each rank adds bias / tp: the reduce-scatter sums them to the bias
+                return Decision(P, want, "row-parallel, bias split over the ranks")
             return Decision(R, want, "row-parallel, bias added after the all-reduce")
         return Decision(P, want, "row-parallel")
     if isinstance(pw, Shard):

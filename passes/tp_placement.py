@@ -34,11 +34,11 @@ from torch import fx
 
 from autoshard.meta import TP, TpPlacement, get_shape
 from autoshard.placements import Partial, Placement, Replicate, Shard
-from autoshard.sharding_rules import RULES, Decision, RuleInput, matmul_dims, replicate_all
+from autoshard.sharding_rules import RULES, Decision, RuleInput, matmul_dims, replicate_all, sequence_dim
 
 from .infra import PassResult
 
-__all__ = ["READS", "WRITES", "Redistribution", "TpReport", "run"]
+__all__ = ["READS", "VIEW_OPS", "WRITES", "Redistribution", "TpReport", "run"]
 
 READS = ("autoshard.shape",)
 WRITES = (TP,)
@@ -74,9 +74,11 @@ class TpReport:
     """What the search decided: each weight's placement, the seeds it left whole and why, unruled ops."""
 
     degree: int
+    sequence_parallel: bool = False
     weights: dict[str, Placement] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)  # weight target -> why it stays whole
     unruled: dict[str, int] = field(default_factory=dict)  # op -> how many nodes
+    partial_grad_params: tuple[str, ...] = ()  # replicated weights summed over tp after backward (tp_rewrite)
     redistributions: list[Redistribution] = field(default_factory=list)
 
     def sharded_fraction(self, sizes: dict[str, int]) -> float:
@@ -89,15 +91,39 @@ class _Propagation:
     out: dict[fx.Node, object]
     decisions: dict[fx.Node, Decision]
     wants: list[tuple[fx.Node, fx.Node, Placement, Placement]]  # consumer, source, src, dst
+    reads: dict[fx.Node, dict[fx.Node, object]]
 
     def bad(self) -> set[tuple[fx.Node, fx.Node, Placement]]:
         """Redistributions that cost a forward all-gather (or worse)."""
         return {(u, a, dst) for u, a, src, dst in self.wants if isinstance(src, Shard)}
 
+    def all_reduces(self) -> set[tuple[fx.Node, fx.Node]]:
+        return {(u, a) for u, a, src, dst in self.wants if isinstance(src, Partial)}
 
-def _propagate(gm: fx.GraphModule, weights: dict[str, Placement], degree: int) -> _Propagation:
-    out: dict[fx.Node, object] = {}
+
+def _indexed_by_input(embedding: fx.Node) -> bool:
+    """Whether an embedding's indices are a model input (token ids), through views only."""
+    node = embedding.args[1]
+    for _ in range(_TRANSPARENT_LIMIT):
+        if node.op == "placeholder":
+            return True
+        if node.op != "call_function" or node.target not in VIEW_OPS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _propagate(
+    gm: fx.GraphModule,
+    weights: dict[str, Placement],
+    degree: int,
+    sequence_parallel: bool = False,
+    example_sizes: dict[str, int] | None = None,
+) -> _Propagation:
+    out: dict[fx.Node, object] = {}  # what each op makes
+    seen: dict[fx.Node, object] = {}  # what later readers get: a Partial reduced for one reader is reduced for all
     decisions: dict[fx.Node, Decision] = {}
+    reads: dict[fx.Node, dict[fx.Node, object]] = {}  # the placement each op reads each input in
     wants = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -105,16 +131,42 @@ def _propagate(gm: fx.GraphModule, weights: dict[str, Placement], degree: int) -
         elif node.op == "get_attr":
             out[node] = weights.get(node.target, R)
         elif node.op == "call_function":
-            ctx = RuleInput(node, out, degree)
+            ctx = RuleInput(node, seen, degree, sequence_parallel, example_sizes)
             rule = RULES.get(node.target)
             decision = rule(ctx) if rule is not None else replicate_all(ctx)
+            if sequence_parallel:
+                decision = _on_sequence_shards(ctx, rule, decision)
+            reads[node] = {a: decision.want.get(a, seen.get(a, R)) for a in node.all_input_nodes}
             for source, dst in decision.want.items():
                 src = ctx.p(source)
                 if src != dst:
                     wants.append((node, source, src, dst))
+                    if isinstance(src, Partial):
+                        seen[source] = dst
             decisions[node] = decision
             out[node] = decision.out
-    return _Propagation(out, decisions, wants)
+        else:
+            continue
+        seen[node] = out[node]
+    return _Propagation(out, decisions, wants, reads)
+
+
+def _on_sequence_shards(ctx: RuleInput, rule: object, decision: Decision) -> Decision:
+    """Sequence parallel: where a Partial input would be all-reduced, try it reduce-scattered over the sequence."""
+    partial = {
+        a: sequence_dim(get_shape(a).tensor.sizes)
+        for a, dst in decision.want.items()
+        if dst == R and isinstance(ctx.p(a), Partial)
+    }
+    partial = {a: dim for a, dim in partial.items() if dim is not None}
+    if not partial or rule is None:
+        return decision
+    trial = dict(ctx.placements)
+    trial.update({a: Shard(dim) for a, dim in partial.items()})
+    again = rule(RuleInput(ctx.node, trial, ctx.degree, True, ctx.example_sizes))
+    if any(a in again.want for a in partial):
+        return decision
+    return Decision(again.out, {**again.want, **{a: Shard(dim) for a, dim in partial.items()}}, again.note)
 
 
 def _trainable_matrix(gm: fx.GraphModule, node: object) -> bool:
@@ -210,7 +262,7 @@ class _Search:
                 weight = node.args[dims[1]]
                 ok = isinstance(weight, fx.Node) and weight.target in trial and weight.target not in self.committed
                 return node if ok else None
-            if node.target not in _VIEWS:
+            if node.target not in VIEW_OPS:
                 return None
             node, steps = node.args[0], steps + 1
         return None
@@ -291,6 +343,15 @@ class _Search:
                     break
                 prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
             new_bad = prop.bad() - base.bad()
+            if not new_bad and seed.target == aten.embedding.default and not _indexed_by_input(seed):
+                # A position or type table is small: worth sharding only where its sum is reduced anyway.
+                added = prop.all_reduces() - base.all_reduces()
+                if len(prop.all_reduces()) > len(base.all_reduces()):
+                    consumer, source = next(iter(added))
+                    report.replicated[weight.target] = (
+                        f"not indexed by a model input; sharding it would add an all-reduce of {source.name}"
+                    )
+                    continue
             if new_bad:
                 consumer, source, _ = min(new_bad, key=lambda b: list(self.gm.graph.nodes).index(b[0]))
                 report.replicated[weight.target] = (
@@ -303,26 +364,32 @@ class _Search:
 
 
 # Ops a column shard passes through unchanged (views) and, for pulling linears in, also elementwise.
-_VIEWS = {
+VIEW_OPS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
     aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
     aten.to.dtype, aten.to.dtype_layout, aten.contiguous.default, aten.clone.default,
 }  # fmt: skip
-_TRANSPARENT = _VIEWS | {
+_TRANSPARENT = VIEW_OPS | {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.cat.default,
     aten.dropout.default, aten.gelu.default, aten.silu.default, aten.tanh.default, aten.relu.default,
 }  # fmt: skip
 
 
-def run(gm: fx.GraphModule, degree: int) -> tuple[TpReport, PassResult]:
-    report = TpReport(degree)
-    prop = _Search(gm, degree).run(report)
+def run(
+    gm: fx.GraphModule, degree: int, sequence_parallel: bool = False, example_sizes: dict[str, int] | None = None
+) -> tuple[TpReport, PassResult]:
+    """``example_sizes``: symbol values of the example batch (sequence parallel checks S divides by tp)."""
+    report = TpReport(degree, sequence_parallel)
+    search = _Search(gm, degree)
+    prop = search.run(report)
+    if sequence_parallel:  # the same weights; activations between the sharded regions on sequence shards
+        prop = _propagate(gm, search.committed, degree, True, example_sizes)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         if node.op == "call_function":
             decision = prop.decisions[node]
-            inputs = {a: decision.want.get(a, prop.out[a]) for a in node.all_input_nodes}
+            inputs = prop.reads[node]
             has_rule = node.target in RULES
             if not has_rule:
                 name = str(node.target)

@@ -28,6 +28,7 @@ after its all-reduce.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import sympy
@@ -51,6 +52,7 @@ from autoshard.runtime import tp as tp_ops
 from autoshard.sharding_rules import matmul_dims
 
 from .infra import PassResult
+from .tp_placement import VIEW_OPS as _VIEWS
 
 __all__ = ["READS", "RUNTIME_ATTR", "WRITES", "run"]
 
@@ -78,10 +80,12 @@ def _local_shape(shape: NodeShape, placement: Any, degree: int) -> NodeShape:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, degree: int) -> None:
+    def __init__(self, gm: fx.GraphModule, degree: int, sequence_parallel: bool) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.degree = degree
+        self.sequence_parallel = sequence_parallel
+        self.partial_grad_params: set[str] = set()
         self.cache: dict[tuple[fx.Node, Any], fx.Node] = {}
         self.collectives = 0
         first = next(iter(self.graph.nodes))
@@ -113,7 +117,16 @@ class _Rewriter:
             return self.cache[key]
         full = get_shape(source)  # local sizes: a partial value has the full tensor's
         grad = full.requires_grad
-        if isinstance(src, Shard):  # gather first; then slice if a shard was wanted
+        if isinstance(src, Shard) and dst == R and self.sequence_parallel and self._partial_grad_readers(source):
+            # Sequence parallel's entry into a column-parallel region: all-gather forward, and backward
+            # one reduce-scatter that both sums the ranks' partial gradients and keeps this rank's part.
+            node = self._insert(
+                source, tp_ops.gather_rs, (source, src.dim), R,
+                TpCollective("all_gather", "reduce_scatter", consumer.meta.get(LAYER, "(top)"),
+                             f"{consumer.name} reads it whole"),
+                self._full_shape(source, src),
+            )  # fmt: skip
+        elif isinstance(src, Shard):  # gather first; then slice if a shard was wanted
             whole_shape = self._full_shape(source, src)
             node = self._insert(
                 source, tp_ops.all_gather, (source, src.dim, src.blocks), R,
@@ -131,14 +144,13 @@ class _Rewriter:
             if dst == R:
                 node = self._insert(
                     source, tp_ops.all_reduce, (source,), R,
-                    TpCollective("all_reduce", None, source.meta.get(LAYER, "(top)"),
-                                 f"{consumer.name} reads it whole"),
+                    TpCollective("all_reduce", None, self._origin_layer(source), f"{consumer.name} reads it whole"),
                     full,
                 )  # fmt: skip
             else:
                 node = self._insert(
                     source, tp_ops.reduce_scatter, (source, dst.dim), dst,
-                    TpCollective("reduce_scatter", "all_gather", source.meta.get(LAYER, "(top)"),
+                    TpCollective("reduce_scatter", "all_gather", self._origin_layer(source),
                                  f"{consumer.name} reads it as {dst}"),
                     _local_shape(full, dst, self.degree),
                 )  # fmt: skip
@@ -151,6 +163,43 @@ class _Rewriter:
             )  # fmt: skip
         self.cache[key] = node
         return node
+
+    def _origin_layer(self, source: fx.Node) -> str:
+        """The layer whose op made a Partial value (a row-parallel linear, an embedding), past casts and sums."""
+        node = source
+        for _ in range(64):
+            partial = [a for a in node.all_input_nodes if isinstance(self.placement(a), Partial)]
+            if not partial:
+                break
+            node = partial[-1]
+        return node.meta.get(LAYER, "(top)")
+
+    def _partial_grad_readers(self, source: fx.Node) -> bool:
+        """Whether everything reading ``source`` whole (through views) makes a sharded or partial result."""
+        readers = [u for u in source.users if dict(zip(u.all_input_nodes, get_tp(u).inputs)).get(source) == R]
+        return bool(readers) and all(self._partial_grad_reader(u) for u in readers)
+
+    def _partial_grad_reader(self, node: fx.Node, depth: int = 0) -> bool:
+        out = get_tp(node).out
+        if node.op != "call_function" or depth > 16:
+            return False
+        if any(not isinstance(p, Replicate) for p in (out if isinstance(out, tuple) else (out,))):
+            return True
+        return (
+            node.target in _VIEWS
+            and bool(node.users)
+            and all(self._partial_grad_reader(u, depth + 1) for u in node.users)
+        )
+
+    def _reduced_in_backward(self, source: fx.Node) -> bool:
+        """Whether ``source`` is a sequence-parallel all-gather (or a view of one), whose backward sums already."""
+        for _ in range(16):
+            if source.target is tp_ops.gather_rs:
+                return True
+            if source.op != "call_function" or source.target not in _VIEWS:
+                return False
+            source = source.args[0]
+        return False
 
     def _full_shape(self, source: fx.Node, placement: Shard) -> NodeShape:
         local = get_shape(source).tensor
@@ -182,11 +231,14 @@ class _Rewriter:
         if not sharded_out:
             return
         for source in list(node.all_input_nodes):
-            if source is self.tp or TP_COMM in source.meta:
+            if source is self.tp or TP_COMM in source.meta or self._reduced_in_backward(source):
                 continue
             shape = get_shape(source)
             if shape.scalar is None and shape.requires_grad and self.placement(source) == R:
-                node.replace_input_with(source, self.copy(source, node))
+                if source.op == "get_attr":  # a replicated weight: its gradients are summed after backward
+                    self.partial_grad_params.add(source.target)
+                else:
+                    node.replace_input_with(source, self.copy(source, node))
 
     def rewrite_op(self, node: fx.Node) -> None:
         record = get_tp(node)
@@ -198,6 +250,11 @@ class _Rewriter:
                 size = sizes[out.dim]
                 if isinstance(size, int) and size != -1:
                     sizes[out.dim] = size // degree
+                elif isinstance(size, fx.Node):  # a size of the whole (the sequence length): this rank's part
+                    with self.graph.inserting_before(node):
+                        sizes[out.dim] = self.graph.call_function(operator.floordiv, (size, degree))
+                    sizes[out.dim].meta.update({SHAPE: NodeShape(scalar=get_shape(size).scalar / degree)})
+                    sizes[out.dim].meta[LAYER] = node.meta.get(LAYER, "(top)")
                 node.args = (node.args[0], sizes, *node.args[2:])
         elif target in (aten.split.Tensor, aten.split_with_sizes.default):
             source_placement = record.inputs[0]
@@ -216,8 +273,17 @@ class _Rewriter:
             ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
             node.target = tp_ops.vocab_parallel_cross_entropy
             node.args, node.kwargs = (self.tp, node.args[0], node.args[1], reduction, ignore), {}
-        elif matmul_dims(target) and record.note.startswith("row-parallel, bias"):
+        elif matmul_dims(target) and record.note == "row-parallel, bias added after the all-reduce":
             self.bias_after_reduce(node)
+        elif matmul_dims(target) and record.note == "row-parallel, bias split over the ranks":
+            index = 0 if target == aten.addmm.default else 2
+            bias = node.args[index] if len(node.args) > index else node.kwargs["bias"]
+            with self.graph.inserting_before(node):
+                share = self.graph.call_function(aten.div.Tensor, (bias, degree))
+            share.meta.update({SHAPE: get_shape(bias), LAYER: node.meta.get(LAYER, "(top)")})
+            share.meta[TP] = TpPlacement(out=R, inputs=(R,))
+            node.replace_input_with(bias, share)
+            self.partial_grad_params.add(bias.target)  # each rank's bias gradient is 1/tp of the whole
 
     def bias_after_reduce(self, node: fx.Node) -> None:
         """linear(x, W, b) / addmm(b, x, W), row-parallel: all-reduce the product, then add the bias once."""
@@ -262,9 +328,10 @@ _INSERTED = {
 }  # fmt: skip
 
 
-def run(gm: fx.GraphModule, degree: int) -> PassResult:
+def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tuple[tuple[str, ...], PassResult]:
+    """Returns the replicated weights whose gradients are partial on each rank (sum them over tp after backward)."""
     gm.add_submodule(RUNTIME_ATTR, tp_ops.UnboundTensorParallel(degree))
-    rewriter = _Rewriter(gm, degree)
+    rewriter = _Rewriter(gm, degree, sequence_parallel)
     rewriter.run()
     gm.graph.lint()
     gm.recompile()
@@ -275,4 +342,7 @@ def run(gm: fx.GraphModule, degree: int) -> PassResult:
             for phase, op in (("forward", comm.forward), ("backward", comm.backward)):
                 if op:
                     counts[f"{op} ({phase})"] = counts.get(f"{op} ({phase})", 0) + 1
-    return PassResult("tp_rewrite", True, f"{rewriter.collectives} collectives inserted: {counts or 'none'}")
+    summary = f"{rewriter.collectives} collectives inserted: {counts or 'none'}"
+    if rewriter.partial_grad_params:
+        summary += f"; {len(rewriter.partial_grad_params)} replicated weights' gradients summed over tp after backward"
+    return tuple(sorted(rewriter.partial_grad_params)), PassResult("tp_rewrite", True, summary)

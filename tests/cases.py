@@ -61,7 +61,8 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     layers = shape.get("layers", 2)
     if family == "gpt2":
         cfg = transformers.GPT2Config(
-            n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            n_layer=layers, n_embd=shape.get("width", 32), n_head=shape.get("heads", 4),
+            vocab_size=shape.get("vocab", VOCAB), n_positions=32,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)

@@ -58,8 +58,9 @@ def test_int_mesh_lets_the_planner_choose(gpt2_case) -> None:
 def test_mesh_of_unimplemented_strategies_says_so(gpt2_case) -> None:
     msg = (
         "Plan(dp=8, tp=8, pp=4, zero=0, schedule=1f1b, microbatches=16, bucket=25MiB) asks for "
-        "tensor parallelism (tp=8), which this version of autoshard does not implement yet; it implements data "
-        "parallelism, ZeRO and pipeline parallelism (with zero <= 2): use tp=1"
+        "tensor parallelism with pipeline parallelism (tp=8, pp=4), which this version of autoshard does not "
+        "implement yet; it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
+        "parallelism (with dp, without ZeRO or pp): use tp=1 or pp=1"
     )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         compile_gpt2(gpt2_case, Mesh(dp=8, tp=8, pp=4), plan={"zero": 0})

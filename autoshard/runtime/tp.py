@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.errors import DistributedError
+from autoshard.errors import DistributedError, InputError
 from autoshard.placements import Shard
 from autoshard.runtime.comm import CommCounter
 
@@ -89,11 +89,22 @@ class TensorParallel(UnboundTensorParallel):
 
     def reduce_scatter_(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
         """Sum over the group, keeping this rank's ``placement`` slice."""
+        check_divisible(tensor, placement, self.degree)
         pieces = [placement.local(tensor, r, self.degree).contiguous() for r in range(self.degree)]
         out = torch.empty_like(pieces[0])
         self.comm.count("tp_reduce_scatter", tensor.numel() * tensor.element_size())
         dist.reduce_scatter(out, pieces, group=self.group)
         return out
+
+
+def check_divisible(tensor: torch.Tensor, placement: Shard, degree: int) -> None:
+    size = tensor.shape[placement.dim]
+    if size % (placement.blocks * degree):
+        raise InputError(
+            f"tensor parallelism splits dimension {placement.dim} of a {tuple(tensor.shape)} activation over "
+            f"tp={degree}, but {size} does not divide by {placement.blocks * degree}; with sequence_parallel the "
+            f"sequence length of every batch must be a multiple of {degree}"
+        )
 
 
 class _AllReduce(torch.autograd.Function):
@@ -132,6 +143,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
         ctx.tp, ctx.placement = tp, placement
+        check_divisible(x, placement, tp.degree)
         return placement.local(x, tp.rank, tp.degree).contiguous()
 
     @staticmethod
