@@ -56,7 +56,6 @@ class RuleInput:
     sequence_parallel: bool = False
     example_sizes: dict[str, int] | None = None  # symbol values of the example batch
 
-
     def p(self, arg: Any) -> Placement:
         if not isinstance(arg, fx.Node):
             return R
