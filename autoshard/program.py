@@ -452,7 +452,23 @@ class Program:
 
     def _setup_tensor_parallel(self) -> None:
         """This rank's tp group, bound into the graph; every sharded tensor cut down to this rank's slice."""
-        self._tp = TensorParallel(self._make_group("tp"), self.comm)
+        group = self._make_group("tp")
+        # Replicated activations must see the same dropout masks on every tp rank: share tp rank 0's
+        # random state (and seed, from which each rank's own stream for sharded activations derives).
+        first = self.mesh.group("tp", self.rank)[0]
+        nccl = dist.get_backend(group) == "nccl"
+        wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+        def shared(tensor: torch.Tensor) -> torch.Tensor:
+            on_wire = tensor.to(wire)
+            dist.broadcast(on_wire, src=first, group=group)
+            return on_wire.cpu()
+
+        torch.set_rng_state(shared(torch.get_rng_state()))
+        if nccl:
+            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state()))
+        seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
+        self._tp = TensorParallel(group, self.comm, int(seed))
         self._train_gm.add_submodule(tp_rewrite.RUNTIME_ATTR, self._tp)
         tensors = self._state_tensors()
         self._full_shapes = {key: t.shape for key, t in tensors.items()}

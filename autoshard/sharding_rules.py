@@ -520,7 +520,7 @@ _register(
     aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_not.default, aten.logical_not.default,
     aten.detach.default, aten.maximum.default, aten.minimum.default, aten.clamp.default,
 )  # fmt: skip
-_register(_view, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_register(_view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 _register(_transpose, aten.transpose.int)
 _register(_t, aten.t.default)
 _register(_permute, aten.permute.default)

@@ -20,6 +20,10 @@ of a column-parallel linear) gets each rank's gradient only partially: it is rea
 ``tp.copy`` (Megatron's f: identity forward, all-reduce backward), one per value, so q, k and v
 projections of one input share a single backward all-reduce.
 
+Random ops (dropout) on sharded values draw from each rank's own stream (``tp.sharded_random``);
+on replicated values they draw from the shared stream, which the Program keeps equal across the
+group, so the mask is the same on every rank.
+
 Op rewrites: literal sizes in view/reshape/expand/split arguments become local sizes; an embedding
 with rows sharded becomes ``tp.vocab_parallel_embedding``; cross_entropy_loss over class-sharded
 logits becomes ``tp.vocab_parallel_cross_entropy``; a row-parallel linear with a bias adds the bias
@@ -273,6 +277,9 @@ class _Rewriter:
             ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
             node.target = tp_ops.vocab_parallel_cross_entropy
             node.args, node.kwargs = (self.tp, node.args[0], node.args[1], reduction, ignore), {}
+        elif target in _RANDOM and self._draws_on_shards(node):
+            node.target = tp_ops.sharded_random
+            node.args = (self.tp, target, *node.args)
         elif matmul_dims(target) and record.note == "row-parallel, bias added after the all-reduce":
             self.bias_after_reduce(node)
         elif matmul_dims(target) and record.note == "row-parallel, bias split over the ranks":
@@ -284,6 +291,13 @@ class _Rewriter:
             share.meta[TP] = TpPlacement(out=R, inputs=(R,))
             node.replace_input_with(bias, share)
             self.partial_grad_params.add(bias.target)  # each rank's bias gradient is 1/tp of the whole
+
+    def _draws_on_shards(self, node: fx.Node) -> bool:
+        if node.target == aten.scaled_dot_product_attention.default:
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            if not p:
+                return False
+        return isinstance(get_tp(node).out, Shard)
 
     def bias_after_reduce(self, node: fx.Node) -> None:
         """linear(x, W, b) / addmm(b, x, W), row-parallel: all-reduce the product, then add the bias once."""
@@ -322,6 +336,12 @@ class _Rewriter:
             out=tuple(self.placement(o) if isinstance(o, fx.Node) else R for o in outs), inputs=()
         )
 
+
+# Ops that draw random numbers: on sharded values each rank must draw its own.
+_RANDOM = {
+    aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
+    aten.rand_like.default, aten.randn_like.default, aten.scaled_dot_product_attention.default,
+}  # fmt: skip
 
 _INSERTED = {
     tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.scatter, tp_ops.reduce_scatter, tp_ops.gather_rs,

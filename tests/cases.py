@@ -17,6 +17,7 @@ import autoshard
 GLOBAL_BATCH = 8
 SEQ = 12
 VOCAB = 64
+IMAGE = 16  # ViT images: 16 x 16 pixels in 4 x 4 patches
 FAMILIES = ("mlp", "gpt2", "llama", "bert")
 
 
@@ -62,8 +63,8 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     if family == "gpt2":
         cfg = transformers.GPT2Config(
             n_layer=layers, n_embd=shape.get("width", 32), n_head=shape.get("heads", 4),
-            vocab_size=shape.get("vocab", VOCAB), n_positions=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            vocab_size=shape.get("vocab", VOCAB), n_positions=32, resid_pdrop=shape.get("dropout", 0.0),
+            embd_pdrop=shape.get("dropout", 0.0), attn_pdrop=shape.get("dropout", 0.0), bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
     if family == "llama":
@@ -81,6 +82,13 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
             attention_probs_dropout_prob=0.0, pad_token_id=0,
         )  # fmt: skip
         return transformers.BertForMaskedLM(cfg)
+    if family == "vit":
+        cfg = transformers.ViTConfig(
+            image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
+            num_attention_heads=4, intermediate_size=64, num_labels=8, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return transformers.ViTForImageClassification(cfg)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -95,6 +103,10 @@ def build_case(family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_B
             x = torch.randn(batch, width, generator=gen)
             y = torch.randint(0, classes, (batch,), generator=gen)
             batches.append(Batch(inputs=(x,), target=y))
+        elif family == "vit":
+            pixels = torch.randn(batch, 3, IMAGE, IMAGE, generator=gen)
+            labels = torch.randint(0, model.config.num_labels, (batch,), generator=gen)
+            batches.append(Batch(inputs=(pixels,), kwargs={"labels": labels}))
         else:
             ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
             kwargs: dict[str, Any] = {"labels": ids.clone()}
@@ -401,3 +413,21 @@ def train_tp(
         "volumes": volumes,
         "explain": program.explain(),
     }
+
+
+def tp_dropout_probe(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2 with dropout 0.1 under tp: two steps; then random draws from the shared and the rank's own stream."""
+    torch.manual_seed(1000 + rank)  # ranks seeded differently: the program must still agree on shared masks
+    case = build_case("gpt2", steps=2, dropout=0.1)
+    program = compile_case(case, autoshard.Mesh(tp=world_size), plan=plan)
+    losses, _ = train_local_batches(program, case)
+    replicated = {
+        k: v.clone()
+        for k, v in program.state_dict().items()
+        if str(program.for_rank(rank).placements.get(k, {}).get("tp", "R")) == "R"
+    }
+    shared = torch.rand(4)
+    with program._tp.rank_stream(torch.device("cpu")):
+        own = torch.rand(4)
+    return {"losses": losses, "replicated": replicated, "shared": shared, "own": own,
+            "graph": program.graph_modules[0].code}  # fmt: skip

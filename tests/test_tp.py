@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cases import SEQ, build_case, compile_case, train_single_device, train_tp
+from cases import SEQ, build_case, compile_case, tp_dropout_probe, train_single_device, train_tp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dp_equivalence import RTOL
@@ -161,3 +161,31 @@ def test_random_attention_shapes_shard_optimally(ranks, tp: int, heads_per_rank:
     assert_state_close(results[0]["state"], ref_state)
     (counts,) = _blocks(results[0]["collectives"]).values()
     assert counts == MEGATRON
+
+
+def test_vit_style_model_shards_its_blocks(ranks) -> None:
+    """A ViT: patch convolution replicated (no rule: listed), encoder blocks Megatron-style, classes sharded."""
+    ref_losses, ref_state = train_single_device("vit")
+    results = ranks(2).run(train_tp, "vit", {"tp": 2})
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=RTOL)
+    assert_state_close(results[0]["state"], ref_state)
+    for counts in _blocks(results[0]["collectives"]).values():
+        assert counts == MEGATRON
+    assert "ops without a sharding rule (inputs replicated): aten.conv2d.default x1" in results[0]["explain"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sp"])
+def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(ranks, sequence_parallel: bool) -> None:
+    results = ranks(2).run(tp_dropout_probe, {"sequence_parallel": sequence_parallel})
+    first, second = results
+    assert first["losses"] == second["losses"]
+    # Replicated weights stay identical across tp ranks only if the replicated activations saw equal masks.
+    assert first["replicated"].keys() == second["replicated"].keys() and first["replicated"]
+    for key, value in first["replicated"].items():
+        assert torch.equal(value, second["replicated"][key]), key
+    assert torch.equal(first["shared"], second["shared"])  # the shared stream: equal on every tp rank
+    assert not torch.equal(first["own"], second["own"])  # each rank's own stream: distinct
+    # Attention dropout runs on head shards, and with sequence parallel hidden dropout on sequence shards.
+    graph = first["graph"]
+    assert "sharded_random(tp, torch.ops.aten.scaled_dot_product_attention.default" in graph
+    assert ("sharded_random(tp, torch.ops.aten.dropout.default" in graph) == sequence_parallel

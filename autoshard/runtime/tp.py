@@ -16,6 +16,8 @@ Every collective is counted in the program's CommCounter under ``tp_<op>``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "gather_rs",
     "reduce_scatter",
     "scatter",
+    "sharded_random",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
@@ -55,17 +58,37 @@ class UnboundTensorParallel(nn.Module):
             "process group"
         )
 
-    sum_ = max_ = gather = reduce_scatter_ = _unbound
+    sum_ = max_ = gather = reduce_scatter_ = rank_stream = _unbound
 
 
 class TensorParallel(UnboundTensorParallel):
     """This rank's tensor-parallel group: its rank in it, the degree, and counted collectives."""
 
-    def __init__(self, group: dist.ProcessGroup | None, comm: CommCounter) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, comm: CommCounter, seed: int = 0) -> None:
+        """``seed``: equal on every rank of the group; this rank's own random stream starts from it and its rank."""
         super().__init__(dist.get_world_size(group))
         self.group = group
         self.rank = dist.get_rank(group)
         self.comm = comm
+        self.seed = seed + 2718 + self.rank  # Megatron's offset for the model-parallel stream
+        self._streams: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def rank_stream(self, device: torch.device) -> Iterator[None]:
+        """Draw random numbers from this rank's own stream (distinct per tp rank), then restore the shared one."""
+        cuda = device.type == "cuda"
+        get = (lambda: torch.cuda.get_rng_state(device)) if cuda else torch.get_rng_state
+        put = (lambda state: torch.cuda.set_rng_state(state, device)) if cuda else torch.set_rng_state
+        key = str(device)
+        if key not in self._streams:
+            self._streams[key] = torch.Generator(device=device).manual_seed(self.seed).get_state()
+        shared = get()
+        put(self._streams[key])
+        try:
+            yield
+        finally:
+            self._streams[key] = get()
+            put(shared)
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) in place."""
@@ -201,6 +224,17 @@ def reduce_scatter(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tenso
 def gather_rs(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Shard -> Replicate before sharded work (sequence parallel's entry; backward: reduce-scatter)."""
     return _GatherReduceScatter.apply(tp, x, Shard(dim))
+
+
+def sharded_random(tp: TensorParallel, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A random op (dropout) on sharded values: drawn from this rank's own stream, so ranks' masks differ.
+
+    Random ops on replicated values use the shared stream, which the Program keeps equal across the tp
+    group, so every rank draws the same mask there.
+    """
+    tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    with tp.rank_stream(tensor.device):
+        return op(*args, **kwargs)
 
 
 def vocab_parallel_embedding(
