@@ -417,8 +417,8 @@ def train_tp(
 
 def tp_dropout_probe(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """GPT-2 with dropout 0.1 under tp: two steps; then random draws from the shared and the rank's own stream."""
-    torch.manual_seed(1000 + rank)  # ranks seeded differently: the program must still agree on shared masks
     case = build_case("gpt2", steps=2, dropout=0.1)
+    torch.manual_seed(1000 + rank)  # ranks seeded differently: the program must still agree on shared masks
     program = compile_case(case, autoshard.Mesh(tp=world_size), plan=plan)
     losses, _ = train_local_batches(program, case)
     replicated = {
