@@ -423,8 +423,6 @@ class Program:
         for key, tensor in tensors.items():
             value = state_dict[key]
             shape = self._zero3_shape(tensor) if id(tensor) in sharded else self._full_shapes.get(key, tensor.shape)
-            if id(tensor) in self._tp_placement_of and self._tp is not None:
-                value = self._tp_placement_of[id(tensor)].local(value, self._tp.rank, self._tp.degree)
             if tuple(value.shape) != tuple(shape):
                 raise InputError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} here")
         with torch.no_grad():

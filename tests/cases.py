@@ -431,3 +431,28 @@ def tp_dropout_probe(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
         own = torch.rand(4)
     return {"losses": losses, "replicated": replicated, "shared": shared, "own": own,
             "graph": program.graph_modules[0].code}  # fmt: skip
+
+
+def tp_state_and_forward(rank: int, world_size: int) -> dict[str, Any]:
+    """GPT-2 at tp=2: full state round trip through load_state_dict, and forward-only logits joined whole."""
+    case = build_case("gpt2")
+    reference = build_case("gpt2").model.eval()
+    program = compile_case(case, autoshard.Mesh(tp=world_size))
+    box: list[Any] = [None]
+    dist_broadcast_object(box, program.full_state_dict())
+    start = box[0]
+    held = {k: v.clone() for k, v in program.state_dict().items()}
+    batch = case.batches[0]
+    program.step(*batch.inputs, labels=batch.kwargs["labels"])
+    changed = any(not torch.equal(held[k], v) for k, v in program.state_dict().items())
+    program.load_state_dict(start)
+    restored = all(torch.equal(held[k], v) for k, v in program.state_dict().items())
+    logits = program(*batch.inputs, labels=batch.kwargs["labels"]).logits
+    expected = reference(*batch.inputs, labels=batch.kwargs["labels"]).logits
+    return {
+        "changed": changed,
+        "restored": restored,
+        "start_matches_model": all(torch.equal(start[k], v) for k, v in reference.state_dict().items()),
+        "logits_shape": tuple(logits.shape),
+        "logits_error": (logits - expected).abs().max().item(),
+    }

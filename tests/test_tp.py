@@ -6,7 +6,16 @@ import re
 
 import pytest
 import torch
-from cases import SEQ, build_case, compile_case, tp_dropout_probe, train_single_device, train_tp
+from cases import (
+    SEQ,
+    VOCAB,
+    build_case,
+    compile_case,
+    tp_dropout_probe,
+    tp_state_and_forward,
+    train_single_device,
+    train_tp,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dp_equivalence import RTOL
@@ -189,3 +198,18 @@ def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(ranks, se
     graph = first["graph"]
     assert "sharded_random(tp, torch.ops.aten.scaled_dot_product_attention.default" in graph
     assert ("sharded_random(tp, torch.ops.aten.dropout.default" in graph) == sequence_parallel
+
+
+def test_state_round_trip_and_forward_calls(ranks) -> None:
+    for result in ranks(2).run(tp_state_and_forward):
+        assert result["changed"] and result["restored"]
+        assert result["start_matches_model"]  # full_state_dict joins the shards into the model's own tensors
+        assert result["logits_shape"] == (8, SEQ, VOCAB)  # forward-only calls join sharded outputs
+        assert result["logits_error"] < 1e-5
+
+
+def test_clipping_across_tp_shards(ranks) -> None:
+    ref_losses, ref_state = train_single_device("llama", max_grad_norm=0.05)
+    results = ranks(2).run(train_tp, "llama", {"tp": 2}, {"max_grad_norm": 0.05})
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=RTOL)
+    assert_state_close(results[0]["state"], ref_state)
