@@ -281,7 +281,8 @@ class Program:
         lines = [f"tensor parallel (tp={report.degree}):"]
         for target, placement in report.weights.items():
             if isinstance(placement, Shard):
-                shape = tuple(params[target].shape) if target in params else "?"
+                key = target.removeprefix(MODEL_PREFIX)
+                shape = tuple(self._full_shapes.get(key, params[target].shape)) if target in params else "?"
                 lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {str(placement):<8} full {shape}")
         for target, why in report.replicated.items():
             lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {'R':<8} replicated: {why}")

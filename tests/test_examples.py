@@ -44,3 +44,12 @@ def test_demo_matches_single_device(capsys) -> None:
     out = capsys.readouterr().out
     assert "OK: distributed training matches single-device training" in out
     assert "plan: Plan(dp=2, tp=1, pp=1, zero=0, bucket=25MiB)" in out
+
+
+def test_torchrun_tensor_parallel_example_trains_on_two_ranks() -> None:
+    out = torchrun_two_ranks("train_tp.py", "--steps", "3", "--sequence-parallel")
+    assert "plan: Plan(dp=1, tp=2, pp=1, zero=0, bucket=25MiB, sequence_parallel)" in out.stdout
+    assert "blocks.0.qkv.weight                                  S(0)x3   full (192, 64)" in out.stdout
+    assert "blocks.0                       2 all_gather bwd, 2 all_gather fwd, 2 reduce_scatter bwd" in out.stdout
+    losses = [float(line.split("loss ")[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and "trained" in out.stdout
