@@ -317,8 +317,11 @@ class _Rewriter:
             TpCollective("all_reduce", None, node.meta.get(LAYER, "(top)"), f"{node.name} is row-parallel"),
             get_shape(node),
         )  # fmt: skip
-        node.target = aten.add.Tensor
-        node.args, node.kwargs = (reduced, bias), {}
+        with self.graph.inserting_after(reduced):
+            total = self.graph.call_function(aten.add.Tensor, (reduced, bias))
+        total.meta.update(node.meta)
+        node.replace_all_uses_with(total)
+        self.graph.erase_node(node)
 
     def run(self) -> None:
         for node in self.graph.nodes:  # local sizes first: the inserted nodes' sizes derive from them

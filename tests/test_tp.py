@@ -213,3 +213,12 @@ def test_clipping_across_tp_shards(ranks) -> None:
     results = ranks(2).run(train_tp, "llama", {"tp": 2}, {"max_grad_norm": 0.05})
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=RTOL)
     assert_state_close(results[0]["state"], ref_state)
+
+
+def test_tp_that_shards_nothing_is_refused_before_any_rank_runs() -> None:
+    case = build_case("mlp", sizes=(3, 5, 7))
+    msg = "tp=2 shards none of MLP's weights (layers.0.weight: 5 rows/features not divisible by tp=2; "
+    with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
+        compile_case(case, autoshard.Mesh(tp=2))
+    with pytest.raises(autoshard.PlanError, match="sequence_parallel=True shards activations across the tp group"):
+        compile_case(build_case("mlp"), autoshard.Mesh(dp=2), plan={"sequence_parallel": True})
