@@ -20,6 +20,7 @@ from autoshard.passes import pipeline_stages, tp_placement, tp_rewrite, zero3_ga
 from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.plan import Plan
 from autoshard.planner import PlanReport
+from autoshard.runtime import tp as tp_ops
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.grad_sync import BucketedGradSync, DataParallelTrainer
 from autoshard.runtime.optim import clip_by_global_norm, make_optimizer
@@ -297,6 +298,17 @@ class Program:
         lines.append("  collectives per layer:")
         for layer, counts in per_layer.items():
             lines.append(f"    {layer:<30} " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        losses = [n for n in self._train_gm.graph.nodes if n.target is tp_ops.vocab_parallel_cross_entropy]
+        if losses:
+            lines.append(
+                f"  vocab-parallel cross-entropy ({len(losses)}): per row, an all-reduce of the max logit and one of "
+                f"the sum of exponentials with the target's logit; the logits stay sharded"
+            )
+        if report.partial_grad_params:
+            lines.append(
+                f"  {len(report.partial_grad_params)} replicated weights used on shards (norms, split biases): "
+                f"gradients summed over tp in one all-reduce after backward"
+            )
         if report.unruled:
             ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.unruled.items()))
             lines.append(f"  ops without a sharding rule (inputs replicated): {ops}")

@@ -171,7 +171,8 @@ def view_groups(a: Sequence[sympy.Expr], b: Sequence[sympy.Expr]) -> list[tuple[
     """Group the dimensions of a view's input ``a`` and output ``b`` into runs of equal products."""
     probe = {}
 
-    def value(size: sympy.Expr) -> int:
+    def value(size: sympy.Expr | int) -> int:
+        size = sympy.sympify(size)
         for sym in sorted(size.free_symbols, key=str):
             probe.setdefault(sym, _PROBE[len(probe) % len(_PROBE)])
         return int(size.subs(probe)) if size.free_symbols else int(size)
