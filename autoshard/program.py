@@ -133,6 +133,7 @@ class Program:
         self.rank = dist.get_rank() if self._distributed else 0
         self.comm = CommCounter()
         self.last_step_memory: dict[str, int] = {}
+        self._loss_sum: torch.Tensor | None = None
         # Keys and tensors of the original model's state dict; the graph shares these tensors.
         self._state = dict(model.state_dict(keep_vars=True))
         self._params = self._unique_parameters()
@@ -343,7 +344,11 @@ class Program:
             return self._pipeline_step(trainer, flat)
         trainer.prepare()
         loss = self._train_gm(*flat)[0]
-        loss_sum = loss.detach().float().clone()
+        # One buffer kept across steps for the loss being summed over dp while backward runs.
+        if self._loss_sum is None or self._loss_sum.device != loss.device:
+            self._loss_sum = torch.zeros((), dtype=torch.float32, device=loss.device)
+        loss_sum = self._loss_sum
+        loss_sum.copy_(loss.detach())
         work = None
         if self.plan.dp > 1:
             # Launched before the gradient buckets, so every rank issues collectives in one order.

@@ -147,6 +147,26 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+def _peak_allocated(step: Any) -> int:
+    """Peak bytes of tensors allocated during one call of ``step`` above what was allocated before it.
+
+    The CPU analog of torch.cuda.max_memory_allocated (after reset_peak_memory_stats): it follows the
+    profiler's allocation events. Buffers that gloo allocates outside torch are not tensors and not
+    counted here, as NCCL's own buffers are not on a GPU; RSS (below) counts them.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in changes:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
 def _reset_peak_rss() -> int:
     """Reset the kernel's peak-RSS mark to the current RSS (Linux clear_refs 5); return the current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -220,7 +240,8 @@ def _sharded_step(rank: int, world_size: int, system: str, cfg: dict[str, int], 
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "held": held(), "rss": _status_bytes("VmHWM") - rss_before}
+    rss = _status_bytes("VmHWM") - rss_before
+    return {"seconds": statistics.median(times), "held": held(), "rss": rss, "peak": _peak_allocated(step)}
 
 
 def _run_system(system: str, ranks: int, steps: int) -> dict[str, Any]:
@@ -230,6 +251,7 @@ def _run_system(system: str, ranks: int, steps: int) -> dict[str, Any]:
         "seconds": statistics.median(r["seconds"] for r in results),
         "held": max(r["held"] for r in results),
         "rss": max(r["rss"] for r in results),
+        "peak": max(r["peak"] for r in results),
     }
 
 
@@ -256,6 +278,13 @@ def bench_zero_vs_torch(ranks: int = 4, steps: int = 6, rounds: int = 2) -> None
             f"{a['held'] / 2**20:.1f} MiB",
             f"{b['held'] / 2**20:.1f} MiB",
             a["held"] / b["held"],
+            "<= 1.0",
+        )
+        report(
+            f"{ours} vs {theirs}: peak tensor bytes allocated during a step, per rank",
+            f"{a['peak'] / 2**20:.2f} MiB",
+            f"{b['peak'] / 2**20:.2f} MiB",
+            a["peak"] / max(b["peak"], 1),
             "<= 1.0",
         )
         report(
