@@ -381,7 +381,6 @@ PIPE = {"blocks": 8, "width": 1024, "batch": 256, "microbatches": 8}
 
 
 def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, rounds: int) -> dict[str, Any]:
-    import torch.distributed as dist
     from torch.distributed import pipelining
 
     cfg = PIPE
@@ -427,23 +426,34 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
     def our_step(x: torch.Tensor, y: torch.Tensor) -> None:
         program.step(x, target=y)
 
+    idle: list[float] = []
+
+    def our_step_measured(x: torch.Tensor, y: torch.Tensor) -> None:
+        our_step(x, y)
+        idle.append(program.pipeline_stats.idle_fraction)
+
+    timings = _alternate(our_step_measured, their_step, data, rounds)
+    in_flight = program.pipeline_stats.peak_in_flight
+    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight}
+
+
+def _alternate(ours: Any, theirs: Any, data: list[Any], rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each system, timed in alternating rounds so that drift hits both alike."""
+    import torch.distributed as dist
+
     timings: dict[str, list[float]] = {"autoshard": [], "torch": []}
-    idle, in_flight = [], 0
-    for fn in (our_step, their_step):  # warm-up
+    for fn in (ours, theirs):  # warm-up
         for x, y in data[:2]:
             fn(x, y)
-    for _ in range(rounds):  # alternate, so drift hits both alike
-        for name, fn in (("autoshard", our_step), ("torch", their_step)):
+    for _ in range(rounds):
+        for name, fn in (("autoshard", ours), ("torch", theirs)):
             dist.barrier()
             start = time.perf_counter()
             for x, y in data:
                 fn(x, y)
-                if name == "autoshard":
-                    idle.append(program.pipeline_stats.idle_fraction)
-                    in_flight = program.pipeline_stats.peak_in_flight
             dist.barrier()
             timings[name].append((time.perf_counter() - start) / len(data))
-    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight}
+    return timings
 
 
 def bench_pipeline() -> None:
@@ -529,7 +539,6 @@ class TpModel(torch.nn.Module):
 
 
 def _tp_vs_torch(rank: int, world_size: int, steps: int, rounds: int) -> dict[str, Any]:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -576,18 +585,7 @@ def _tp_vs_torch(rank: int, world_size: int, steps: int, rounds: int) -> dict[st
     our_first = program.step(data[0][0], target=data[0][1])
     if abs(our_first - their_first) > 1e-5 * abs(their_first):
         raise AssertionError(f"first losses differ: autoshard {our_first}, parallelize_module {their_first}")
-    timings: dict[str, list[float]] = {"autoshard": [], "torch": []}
-    for fn in (our_step, their_step):  # warm-up
-        for x, y in data[:2]:
-            fn(x, y)
-    for _ in range(rounds):  # alternate, so drift hits both alike
-        for name, fn in (("autoshard", our_step), ("torch", their_step)):
-            dist.barrier()
-            start = time.perf_counter()
-            for x, y in data:
-                fn(x, y)
-            dist.barrier()
-            timings[name].append((time.perf_counter() - start) / len(data))
+    timings = _alternate(our_step, their_step, data, rounds)
     blocks = [c for layer, c in _tp_collectives(program).items() if layer.rsplit(".", 1)[-1].isdigit()]
     return {"timings": timings, "collectives": blocks[0]}
 

@@ -81,10 +81,6 @@ class TpReport:
     partial_grad_params: tuple[str, ...] = ()  # replicated weights summed over tp after backward (tp_rewrite)
     redistributions: list[Redistribution] = field(default_factory=list)
 
-    def sharded_fraction(self, sizes: dict[str, int]) -> float:
-        total = sum(sizes.values()) or 1
-        return sum(n for t, n in sizes.items() if isinstance(self.weights.get(t), Shard)) / total
-
 
 @dataclass
 class _Propagation:

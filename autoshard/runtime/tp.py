@@ -151,49 +151,30 @@ class _Copy(torch.autograd.Function):
         return None, ctx.tp.sum_(grad.clone())
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-        ctx.tp, ctx.placement = tp, placement
-        return tp.gather(x, placement)
+def _gather(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+    return tp.gather(x, placement)
+
+
+def _slice(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+    check_divisible(x, placement, tp.degree)
+    return placement.local(x, tp.rank, tp.degree).contiguous()
+
+
+def _reduce_scatter(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
+    return tp.reduce_scatter_(x.contiguous(), placement)
+
+
+class _Redistribute(torch.autograd.Function):
+    """A change of placement along ``placement``'s dimension: one op forward, its adjoint backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        return None, ctx.placement.local(grad, ctx.tp.rank, ctx.tp.degree).contiguous(), None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-        ctx.tp, ctx.placement = tp, placement
-        check_divisible(x, placement, tp.degree)
-        return placement.local(x, tp.rank, tp.degree).contiguous()
+    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard, fwd: Any, bwd: Any) -> torch.Tensor:
+        ctx.tp, ctx.placement, ctx.bwd = tp, placement, bwd
+        return fwd(tp, x, placement)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        return None, ctx.tp.gather(grad, ctx.placement), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-        ctx.tp, ctx.placement = tp, placement
-        return tp.reduce_scatter_(x, placement)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        return None, ctx.tp.gather(grad, ctx.placement), None
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-        ctx.tp, ctx.placement = tp, placement
-        return tp.gather(x, placement)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        return None, ctx.tp.reduce_scatter_(grad.contiguous(), ctx.placement), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return None, ctx.bwd(ctx.tp, grad, ctx.placement), None, None, None
 
 
 def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
@@ -208,22 +189,22 @@ def copy(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
 
 def all_gather(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Shard -> Replicate (backward: keep this rank's slice)."""
-    return _AllGather.apply(tp, x, Shard(dim, blocks))
+    return _Redistribute.apply(tp, x, Shard(dim, blocks), _gather, _slice)
 
 
 def scatter(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Replicate -> Shard: this rank's slice, no communication (backward: all-gather)."""
-    return _Scatter.apply(tp, x, Shard(dim, blocks))
+    return _Redistribute.apply(tp, x, Shard(dim, blocks), _slice, _gather)
 
 
 def reduce_scatter(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Partial -> Shard (sequence parallel's exit from a row-parallel linear; backward: all-gather)."""
-    return _ReduceScatter.apply(tp, x, Shard(dim))
+    return _Redistribute.apply(tp, x, Shard(dim), _reduce_scatter, _gather)
 
 
 def gather_rs(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Shard -> Replicate before sharded work (sequence parallel's entry; backward: reduce-scatter)."""
-    return _GatherReduceScatter.apply(tp, x, Shard(dim))
+    return _Redistribute.apply(tp, x, Shard(dim), _gather, _reduce_scatter)
 
 
 def sharded_random(tp: TensorParallel, op: Any, *args: Any, **kwargs: Any) -> Any:
