@@ -20,7 +20,14 @@ layout rather than being told it:
      (``Shard(dim, blocks)``), so every rank holds its own q, k and v heads;
    - a bias or other parameter wanted sharded is sharded.
 3. The region is kept if it needs no forward all-gather (an all-reduce or a local slice is fine);
-   otherwise its seed stays replicated and the report says which op stopped it.
+   otherwise its seed stays replicated and the report says which op stopped it. A table not
+   indexed by a model input (positions, token types) is kept only if it adds no all-reduce: small
+   tables are worth sharding only where their partial sums share the token embedding's reduction.
+
+A Partial value that one reader needs reduced is reduced once, for every later reader. With
+sequence parallelism the weights are the same; a final propagation prefers reduce-scattering a
+Partial value over the sequence wherever its reader works on sequence shards (norms, dropout,
+residual adds), and the next column-parallel region all-gathers it.
 
 An op with no rule gets its inputs replicated; the report lists those ops.
 """
