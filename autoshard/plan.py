@@ -127,8 +127,6 @@ class Plan:
     def not_implemented(self) -> list[str]:
         """What this plan asks for that this version of autoshard cannot run yet."""
         missing = []
-        if self.tp > 1 and self.pp > 1:
-            missing.append(f"tensor parallelism with pipeline parallelism (tp={self.tp}, pp={self.pp})")
         if self.tp > 1 and self.zero > 0:
             missing.append(f"tensor parallelism with ZeRO (tp={self.tp}, zero={self.zero})")
         if self.pp > 1 and self.zero == 3:
@@ -140,8 +138,6 @@ class Plan:
         missing = self.not_implemented() if missing is None else missing
         if missing:
             fixes = []
-            if self.tp > 1 and self.pp > 1:
-                fixes.append("tp=1 or pp=1")
             if self.tp > 1 and self.zero > 0:
                 fixes.append("tp=1 or zero=0")
             if self.pp > 1 and self.zero > 0:
@@ -149,7 +145,7 @@ class Plan:
             raise PlanError(
                 f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
                 f"it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
-                f"parallelism (with dp, without ZeRO or pp): "
+                f"parallelism (with dp and pp, without ZeRO): "
                 f"use {'; '.join(fixes) or 'another plan'}"
             )
 

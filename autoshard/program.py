@@ -365,6 +365,8 @@ class Program:
 
     def _pipeline_step(self, trainer: PipelineTrainer, flat: list[torch.Tensor]) -> float:
         loss_sum = trainer.run(flat)
+        if self._tp is not None:
+            self._sum_partial_grads()
         self.last_step_memory = trainer.memory()
         # The last stage's ranks hold the loss (summed over microbatches); one sum over all ranks shares
         # it, while the optimizer steps.
@@ -546,13 +548,15 @@ class Program:
                                 dist.broadcast(param, src=ranks[0], group=group)
         mine = mesh.coords(self.rank)["pp"]
         self._held = {id(t) for t in tensors.values() if mine in self._pp_ranks_of.get(id(t), {mine})}
-        self._full_shapes = {key: t.shape for key, t in tensors.items()}
+        self._full_shapes = self._full_shapes or {key: t.shape for key, t in tensors.items()}  # tp set them first
         for tensor in tensors.values():
             if id(tensor) not in self._held:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # another stage's
         self._channel = PipelineChannel()
         for stage in self._stages_of(self.rank):
             stage.gm.add_submodule(pipeline_stages.CHANNEL_ATTR, self._channel)
+            if self._tp is not None:
+                stage.gm.add_submodule(tp_rewrite.RUNTIME_ATTR, self._tp)
 
     def _pipeline_trainer(self) -> PipelineTrainer:
         coords = self.mesh.coords(self.rank)
@@ -584,15 +588,35 @@ class Program:
         if self.plan.zero in (1, 2):
             return ZeroPipelineTrainer(runner, syncs, params)
         optimizer = make_optimizer(self._optimizer_factory, params)
-        # A tied parameter counts once in the global norm: on the first pipeline rank that reads it.
-        norm_params = [p for p in params if min(self._pp_ranks_of.get(id(p), {coords["pp"]})) == coords["pp"]]
-        return PipelineTrainer(runner, syncs, optimizer, params, self._tied, norm_params, self._pp_group, self.comm)
+        # A tied parameter counts once in the global norm: on the first pipeline rank that reads it; a
+        # weight replicated over tp on tp rank 0 only, a sharded one on every tp rank.
+        norm_params = [
+            p
+            for p in params
+            if min(self._pp_ranks_of.get(id(p), {coords["pp"]})) == coords["pp"]
+            and (coords["tp"] == 0 or id(p) in self._tp_placement_of)
+        ]
+        groups = [self._pp_group] + ([self._tp.group] if self._tp is not None else [])
+
+        def sum_over_model(tensor: torch.Tensor) -> None:
+            for group in groups:
+                dist.all_reduce(tensor, group=group)
+
+        return PipelineTrainer(runner, syncs, optimizer, params, self._tied, norm_params, sum_over_model, self.comm)
 
     def _gather_pipeline_state(self) -> dict[str, torch.Tensor]:
         """Rank 0 receives every tensor from the first rank of the pipeline stage holding it."""
         tensors = self._state_tensors()
+        if self._tp is not None:  # join each held tp shard first (every rank of a tp group holds the same keys)
+            joined: dict[int, torch.Tensor] = {}
+            for key in sorted(tensors):
+                tensor = tensors[key]
+                placement = self._tp_placement_of.get(id(tensor))
+                if placement is not None and self._holds(tensor) and id(tensor) not in joined:
+                    joined[id(tensor)] = self._tp.gather(tensor.detach(), placement)
+            tensors = {key: joined.get(id(t), t) for key, t in tensors.items()}
         owner = {}
-        for key, tensor in tensors.items():
+        for key, tensor in self._state_tensors().items():
             pp_ranks = self._pp_ranks_of.get(id(tensor))
             owner[key] = self.mesh.rank_of(pp=min(pp_ranks)) if pp_ranks else 0
         out = {key: tensors[key].detach().clone() for key in tensors if owner[key] == 0} if self.rank == 0 else {}

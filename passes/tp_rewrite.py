@@ -40,10 +40,12 @@ import torch
 from torch import fx
 
 from autoshard.meta import (
+    COST,
     LAYER,
     SHAPE,
     TP,
     TP_COMM,
+    NodeCost,
     NodeShape,
     TensorShape,
     TpCollective,
@@ -61,7 +63,7 @@ from .tp_placement import VIEW_OPS as _VIEWS
 __all__ = ["READS", "RUNTIME_ATTR", "WRITES", "run"]
 
 READS = ("autoshard.tp", "autoshard.shape", "autoshard.layer")
-WRITES = (TP_COMM,)
+WRITES = (TP_COMM,)  # also autoshard.cost (zero) and autoshard.shape on the nodes it inserts
 
 RUNTIME_ATTR = "tp"
 aten = torch.ops.aten
@@ -356,6 +358,9 @@ def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tup
     gm.add_submodule(RUNTIME_ATTR, tp_ops.UnboundTensorParallel(degree))
     rewriter = _Rewriter(gm, degree, sequence_parallel)
     rewriter.run()
+    for node in gm.graph.nodes:  # what the rewrite added costs no FLOPs (a pipeline cut reads every node's cost)
+        if node.op != "output" and COST not in node.meta:
+            node.meta[COST] = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
     gm.graph.lint()
     gm.recompile()
     counts: dict[str, int] = {}

@@ -313,6 +313,7 @@ def train_pipeline(
         "param_names": [name for name, _ in program.named_parameters()],
         "volumes": volumes,
         "graphs": [gm.code for gm in program.graph_modules],
+        "collectives": {k: v for gm in program.graph_modules for k, v in collectives_by_layer(gm).items()},
     }
 
 

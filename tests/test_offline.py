@@ -57,13 +57,22 @@ def test_int_mesh_lets_the_planner_choose(gpt2_case) -> None:
 
 def test_mesh_of_unimplemented_strategies_says_so(gpt2_case) -> None:
     msg = (
-        "Plan(dp=8, tp=8, pp=4, zero=0, schedule=1f1b, microbatches=16, bucket=25MiB) asks for "
-        "tensor parallelism with pipeline parallelism (tp=8, pp=4), which this version of autoshard does not "
-        "implement yet; it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
-        "parallelism (with dp, without ZeRO or pp): use tp=1 or pp=1"
+        "Plan(dp=8, tp=4, pp=1, zero=1, bucket=25MiB) asks for tensor parallelism with ZeRO (tp=4, zero=1), which "
+        "this version of autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline "
+        "parallelism (with zero <= 2) and tensor parallelism (with dp and pp, without ZeRO): use tp=1 or zero=0"
     )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
-        compile_gpt2(gpt2_case, Mesh(dp=8, tp=8, pp=4), plan={"zero": 0})
+        compile_gpt2(gpt2_case, Mesh(dp=8, tp=4), plan={"zero": 1})
+
+
+def test_three_dimensional_program_offline(gpt2_case) -> None:
+    program = compile_gpt2(gpt2_case, Mesh(dp=2, tp=2, pp=2), plan={"microbatches": 2})
+    view = program.for_rank(7)
+    assert view.coords == {"pp": 1, "dp": 1, "tp": 1}
+    assert str(view.placements["transformer.h.1.attn.c_attn.weight"]["tp"]) == "S(1)x3"
+    assert "transformer.h.0.attn.c_attn.weight" not in view.placements  # the other stage's
+    assert "autoshard_runtime_tp_all_reduce" in view.graph_code()
+    assert "autoshard_runtime_pipeline_recv" in view.graph_code()
 
 
 def test_plan_that_contradicts_the_mesh(gpt2_case) -> None:

@@ -105,7 +105,7 @@ def test_zero_with_pipeline_refuses_tied_weights() -> None:
     msg = (
         "asks for ZeRO with pipeline parallelism for weights tied across layers (lm_head.weight), which this "
         "version of autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline "
-        "parallelism (with zero <= 2) and tensor parallelism (with dp, without ZeRO or pp): use zero=0 or pp=1"
+        "parallelism (with zero <= 2) and tensor parallelism (with dp and pp, without ZeRO): use zero=0 or pp=1"
     )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         compile_gpt2({"zero": 1, "microbatches": 2}, autoshard.Mesh(dp=2, pp=2))

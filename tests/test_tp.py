@@ -13,6 +13,7 @@ from cases import (
     compile_case,
     tp_dropout_probe,
     tp_state_and_forward,
+    train_pipeline,
     train_single_device,
     train_tp,
 )
@@ -222,3 +223,32 @@ def test_tp_that_shards_nothing_is_refused_before_any_rank_runs() -> None:
         compile_case(case, autoshard.Mesh(tp=2))
     with pytest.raises(autoshard.PlanError, match="sequence_parallel=True shards activations across the tp group"):
         compile_case(build_case("mlp"), autoshard.Mesh(dp=2), plan={"sequence_parallel": True})
+
+
+THREE_D = {
+    "gpt2-pp2xtp2": ("gpt2", {"pp": 2, "tp": 2}, {"microbatches": 2}, 2),
+    "llama-pp2xtp2-sp-clip": (
+        "llama", {"pp": 2, "tp": 2}, {"microbatches": 2, "sequence_parallel": True, "max_grad_norm": 0.05}, 2,
+    ),
+    "bert-pp2xtp2-interleaved": (
+        "bert", {"pp": 2, "tp": 2}, {"microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}, 4,
+    ),
+    "gpt2-dp2xpp2xtp2": ("gpt2", {"dp": 2, "pp": 2, "tp": 2}, {"microbatches": 2}, 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", THREE_D)
+def test_tp_with_pipeline_matches_single_device(ranks, config: str) -> None:
+    """Tensor parallel inside pipeline stages (and dp around them): each stage graph keeps Megatron's count."""
+    family, mesh, plan, layers = THREE_D[config]
+    ref_losses, ref_state = train_single_device(family, layers=layers, max_grad_norm=plan.get("max_grad_norm"))
+    world = mesh.get("dp", 1) * mesh["pp"] * mesh["tp"]
+    results = ranks(world).run(train_pipeline, family, mesh, plan, layers=layers)
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ref_losses, rel=RTOL), f"rank {rank}"
+    assert_state_close(results[0]["state"], ref_state)
+    expected = MEGATRON_SP if plan.get("sequence_parallel") else MEGATRON
+    for result in results:
+        blocks = _blocks(result["collectives"])
+        assert len(blocks) == layers // mesh["pp"]  # this rank's stages' blocks only
+        assert all(counts == expected for counts in blocks.values())

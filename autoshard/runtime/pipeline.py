@@ -350,17 +350,18 @@ class PipelineTrainer:
         params: list[nn.Parameter],
         tied: list[TiedGroup],
         norm_params: list[nn.Parameter],
-        pp_group: dist.ProcessGroup | None,
+        sum_over_model: Callable[[torch.Tensor], Any],
         comm: Any,
     ) -> None:
-        """``norm_params``: this rank's parameters that count in the global gradient norm (a tied copy once)."""
+        """``norm_params``: this rank's parameters that count in the global gradient norm (a tied copy once);
+        ``sum_over_model``: sums a tensor over the ranks holding other parts of the model (pp, and tp)."""
         self.runner = runner
         self.syncs = syncs
         self._optimizer = optimizer
         self.params = params
         self.tied = tied
         self.norm_params = norm_params
-        self.pp_group = pp_group
+        self.sum_over_model = sum_over_model
         self.comm = comm
 
     def run(self, flat: list[torch.Tensor]) -> torch.Tensor | None:
@@ -394,7 +395,7 @@ class PipelineTrainer:
         """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
         counted = [p.grad for p in self.norm_params if p.grad is not None]
         scaled = [p.grad for p in self.params if p.grad is not None]
-        clip_by_global_norm(counted, scaled, max_norm, lambda t: dist.all_reduce(t, group=self.pp_group))
+        clip_by_global_norm(counted, scaled, max_norm, self.sum_over_model)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
