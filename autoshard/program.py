@@ -33,7 +33,14 @@ from autoshard.runtime.pipeline import (
     ZeroPipelineTrainer,
 )
 from autoshard.runtime.tp import TensorParallel
-from autoshard.runtime.zero import FlatLayout, Zero3Runtime, Zero3Trainer, ZeroDataParallel, layouts_from_slots
+from autoshard.runtime.zero import (
+    FlatLayout,
+    TensorParallelShards,
+    Zero3Runtime,
+    Zero3Trainer,
+    ZeroDataParallel,
+    layouts_from_slots,
+)
 from autoshard.schedules import Schedule
 
 __all__ = ["Program", "RankProgram"]
@@ -185,6 +192,14 @@ class Program:
     def pipeline_stats(self) -> PipelineStats | None:
         """The last step's pipeline measurements on this rank (wall time, busy time, activations held)."""
         return None if self._trainer is None or self.schedule is None else self._trainer.runner.stats
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step before clipping (None unless max_grad_norm is set)."""
+        trainer = self._trainer
+        source = getattr(trainer, "shard_opt", trainer)
+        norm = getattr(source, "last_grad_norm", None)
+        return None if norm is None else float(norm)
 
     @property
     def is_meta(self) -> bool:
@@ -355,7 +370,7 @@ class Program:
             work = dist.all_reduce(loss_sum, group=self._dp_group, async_op=True)
         loss.backward()
         trainer.finish()
-        if self._tp is not None:
+        if self._tp is not None and self.plan.zero == 0:  # (under ZeRO the reduced shards are summed)
             self._sum_partial_grads()
         self.last_step_memory = trainer.memory()
         trainer.step(self.plan.max_grad_norm)
@@ -365,7 +380,7 @@ class Program:
 
     def _pipeline_step(self, trainer: PipelineTrainer, flat: list[torch.Tensor]) -> float:
         loss_sum = trainer.run(flat)
-        if self._tp is not None:
+        if self._tp is not None and self.plan.zero == 0:  # (under ZeRO the reduced shards are summed)
             self._sum_partial_grads()
         self.last_step_memory = trainer.memory()
         # The last stage's ranks hold the loss (summed over microbatches); one sum over all ranks shares
@@ -512,12 +527,25 @@ class Program:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def _tp_clip(self, max_norm: float) -> None:
+    def _tp_shards(self, layouts: list[FlatLayout]) -> TensorParallelShards | None:
+        """Where, in this rank's ZeRO shards, the gradients to sum over tp and the weights replicated over tp lie."""
+        if self._tp is None:
+            return None
+        partial = {id(self._train_gm.get_parameter(t)) for t in self.tp_report.partial_grad_params}
+        return TensorParallelShards(
+            self._tp,
+            [lay.own_ranges(lambda p: id(p) in partial) for lay in layouts],
+            [lay.own_ranges(lambda p: id(p) not in self._tp_placement_of) for lay in layouts],
+        )
+
+    def _tp_clip(self, max_norm: float) -> torch.Tensor:
         """Global-norm clipping over tp shards: a sharded gradient counts on every tp rank, a replicated one once."""
         params = [p for p in self._params.values() if p.grad is not None]
         counted = [p.grad for p in params if id(p) in self._tp_placement_of or self._tp.rank == 0]
         group = self._tp.group
-        clip_by_global_norm(counted, [p.grad for p in params], max_norm, lambda t: dist.all_reduce(t, group=group))
+        return clip_by_global_norm(
+            counted, [p.grad for p in params], max_norm, lambda t: dist.all_reduce(t, group=group)
+        )
 
     def _setup_pipeline(self) -> None:
         """Groups, the channel, and this rank's share: its stages' tensors stay, the rest are released."""
@@ -717,7 +745,9 @@ class Program:
             self._trainer = DataParallelTrainer(sync, optimizer, list(self._params.values()), clip)
         elif zero in (1, 2):
             layouts = self._flat_layouts(GRAD_BUCKET)
-            self._trainer = ZeroDataParallel(layouts, zero, self.plan.offload, factory, self.comm, self._master_values)
+            self._trainer = ZeroDataParallel(
+                layouts, zero, self.plan.offload, factory, self.comm, self._master_values, self._tp_shards(layouts)
+            )
         else:
             self._trainer = Zero3Trainer(self._zero3, self.plan.offload, factory, self.comm, self._master_values)
         self._master_values = None  # the master shards hold them now

@@ -130,7 +130,12 @@ def _loss(case: Case, batch: Batch) -> torch.Tensor:
 
 
 def train_single_device(
-    family: str, steps: int = 3, max_grad_norm: float | None = None, optimizer: Any = None, **shape: Any
+    family: str,
+    steps: int = 3,
+    max_grad_norm: float | None = None,
+    optimizer: Any = None,
+    norms: list[float] | None = None,
+    **shape: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: eager single-device training on the global batch."""
     case = build_case(family, steps, **shape)
@@ -142,7 +147,9 @@ def train_single_device(
         loss = _loss(case, batch)
         loss.backward()
         if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(case.model.parameters(), max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(case.model.parameters(), max_grad_norm)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
@@ -205,8 +212,11 @@ def train_distributed(
     return losses, program.full_state_dict()
 
 
-def train_local_batches(program: autoshard.Program, case: Case) -> tuple[list[float], list[dict[str, int]]]:
-    """Step through the case's global batches, each rank on its slice; losses and comm volume per step."""
+def train_local_batches(
+    program: autoshard.Program, case: Case, norms: list[float | None] | None = None
+) -> tuple[list[float], list[dict[str, int]]]:
+    """Step through the case's global batches, each rank on its slice; losses and comm volume per step
+    (and into ``norms`` each step's gradient norm before clipping)."""
     losses, volumes = [], []
     for batch in case.batches:
         local = program.local_batch
@@ -216,6 +226,8 @@ def train_local_batches(program: autoshard.Program, case: Case) -> tuple[list[fl
         program.comm.reset()
         losses.append(program.step(*inputs, target=target, **kwargs))
         volumes.append(dict(program.comm.volume_bytes))
+        if norms is not None:
+            norms.append(program.last_grad_norm)
     return losses, volumes
 
 
@@ -302,7 +314,8 @@ def train_pipeline(
     """One rank of a pipeline run: losses, consolidated state, and the last step's pipeline measurements."""
     case = build_case(family, steps, **shape)
     program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
-    losses, volumes = train_local_batches(program, case)
+    norms: list[float | None] = []
+    losses, volumes = train_local_batches(program, case, norms)
     stats = program.pipeline_stats
     return {
         "losses": losses,
@@ -313,6 +326,7 @@ def train_pipeline(
         "param_names": [name for name, _ in program.named_parameters()],
         "volumes": volumes,
         "graphs": [gm.code for gm in program.graph_modules],
+        "grad_norms": norms,
         "collectives": {k: v for gm in program.graph_modules for k, v in collectives_by_layer(gm).items()},
     }
 
@@ -392,13 +406,15 @@ def train_tp(
     mesh: dict[str, int],
     plan: dict[str, Any] | None = None,
     steps: int = 3,
+    optimizer: Any = None,
     **shape: Any,
 ) -> dict[str, Any]:
     """One rank of a tensor-parallel run: losses, consolidated state, collectives, and what the rank holds."""
     case = build_case(family, steps, **shape)
     full_bytes = {k: v.numel() * v.element_size() for k, v in case.model.state_dict().items()}
-    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan or "auto")
-    losses, volumes = train_local_batches(program, case)
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan or "auto", optimizer=optimizer)
+    norms: list[float | None] = []
+    losses, volumes = train_local_batches(program, case, norms)
     gm = program.graph_modules[0]
     held = {k: v.numel() * v.element_size() for k, v in program.state_dict().items()}
     placements = {n: str(p["tp"]) for n, p in program.for_rank(rank).placements.items()}
@@ -412,6 +428,7 @@ def train_tp(
         "full_bytes": full_bytes,
         "placements": placements,
         "volumes": volumes,
+        "grad_norms": norms,
         "explain": program.explain(),
     }
 

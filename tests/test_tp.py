@@ -11,6 +11,7 @@ from cases import (
     VOCAB,
     build_case,
     compile_case,
+    sgd_momentum,
     tp_dropout_probe,
     tp_state_and_forward,
     train_pipeline,
@@ -210,8 +211,13 @@ def test_state_round_trip_and_forward_calls(ranks) -> None:
 
 
 def test_clipping_across_tp_shards(ranks) -> None:
-    ref_losses, ref_state = train_single_device("llama", max_grad_norm=0.05)
-    results = ranks(2).run(train_tp, "llama", {"tp": 2}, {"max_grad_norm": 0.05})
+    # SGD, not Adam: Adam's update does not change when every gradient is scaled alike, so a wrong
+    # global norm that every rank agrees on would go unseen.
+    norms: list[float] = []
+    ref_losses, ref_state = train_single_device("llama", max_grad_norm=0.05, optimizer=sgd_momentum, norms=norms)
+    results = ranks(2).run(train_tp, "llama", {"tp": 2}, {"max_grad_norm": 0.05}, optimizer=sgd_momentum)
+    for result in results:  # the norm over every shard, each replicated weight counted once
+        assert result["grad_norms"] == pytest.approx(norms, rel=1e-5)
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=RTOL)
     assert_state_close(results[0]["state"], ref_state)
 
@@ -241,14 +247,39 @@ THREE_D = {
 def test_tp_with_pipeline_matches_single_device(ranks, config: str) -> None:
     """Tensor parallel inside pipeline stages (and dp around them): each stage graph keeps Megatron's count."""
     family, mesh, plan, layers = THREE_D[config]
-    ref_losses, ref_state = train_single_device(family, layers=layers, max_grad_norm=plan.get("max_grad_norm"))
+    norms: list[float] = []
+    ref_losses, ref_state = train_single_device(
+        family, layers=layers, max_grad_norm=plan.get("max_grad_norm"), norms=norms
+    )
     world = mesh.get("dp", 1) * mesh["pp"] * mesh["tp"]
     results = ranks(world).run(train_pipeline, family, mesh, plan, layers=layers)
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(ref_losses, rel=RTOL), f"rank {rank}"
     assert_state_close(results[0]["state"], ref_state)
+    if norms:  # clipping: the norm over every stage and shard, each tied or replicated weight once
+        assert all(r["grad_norms"] == pytest.approx(norms, rel=1e-5) for r in results)
     expected = MEGATRON_SP if plan.get("sequence_parallel") else MEGATRON
     for result in results:
         blocks = _blocks(result["collectives"])
         assert len(blocks) == layers // mesh["pp"]  # this rank's stages' blocks only
         assert all(counts == expected for counts in blocks.values())
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [{"zero": 1}, {"zero": 2, "max_grad_norm": 0.05}, {"zero": 1, "sequence_parallel": True, "max_grad_norm": 0.05}],
+    ids=["zero1", "zero2-clip", "zero1-sp-clip"],
+)
+def test_tp_with_zero_matches_single_device(ranks, plan: dict) -> None:
+    """dp2 x tp2 with ZeRO over dp: optimizer state (and gradients) of each tp shard sharded over dp."""
+    optimizer = sgd_momentum if "max_grad_norm" in plan else None  # (see test_clipping_across_tp_shards)
+    norms: list[float] = []
+    ref_losses, ref_state = train_single_device(
+        "llama", max_grad_norm=plan.get("max_grad_norm"), optimizer=optimizer, norms=norms
+    )
+    results = ranks(4).run(train_tp, "llama", {"dp": 2, "tp": 2}, plan, optimizer=optimizer)
+    if norms:
+        assert all(r["grad_norms"] == pytest.approx(norms, rel=1e-5) for r in results)
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=RTOL)
+    assert_state_close(results[0]["state"], ref_state)
+    assert all(r["volumes"][-1]["reduce_scatter"] > 0 for r in results)

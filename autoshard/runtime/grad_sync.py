@@ -142,13 +142,14 @@ class DataParallelTrainer:
         sync: BucketedGradSync,
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
-        clip: Callable[[float], None] | None = None,
+        clip: Callable[[float], torch.Tensor] | None = None,
     ):
         """``clip``: clipping across the ranks that hold other shards of the model (tensor parallel)."""
         self.sync = sync
         self.optimizer = optimizer
         self.params = params
         self.clip = clip
+        self.last_grad_norm: torch.Tensor | None = None  # before clipping, when the step clipped
 
     def prepare(self) -> None:
         self.sync.prepare()
@@ -158,10 +159,10 @@ class DataParallelTrainer:
 
     def step(self, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None and self.clip is not None:
-            self.clip(max_grad_norm)
+            self.last_grad_norm = self.clip(max_grad_norm)
         elif max_grad_norm is not None:
             # Gradients are identical on every rank after the all-reduce: clip locally.
-            torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
         self.optimizer.step()
 
     def memory(self) -> dict[str, int]:

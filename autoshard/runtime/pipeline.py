@@ -362,6 +362,7 @@ class PipelineTrainer:
         self.tied = tied
         self.norm_params = norm_params
         self.sum_over_model = sum_over_model
+        self.last_grad_norm: torch.Tensor | None = None  # before clipping, when the step clipped
         self.comm = comm
 
     def run(self, flat: list[torch.Tensor]) -> torch.Tensor | None:
@@ -395,7 +396,7 @@ class PipelineTrainer:
         """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
         counted = [p.grad for p in self.norm_params if p.grad is not None]
         scaled = [p.grad for p in self.params if p.grad is not None]
-        clip_by_global_norm(counted, scaled, max_norm, self.sum_over_model)
+        self.last_grad_norm = clip_by_global_norm(counted, scaled, max_norm, self.sum_over_model)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -424,7 +425,7 @@ class ZeroPipelineTrainer(PipelineTrainer):
         if max_grad_norm is not None:
             # The global norm over every stage's shards: a sum over all dp and pp ranks (tp = 1).
             grads = [m.grad for sync in self.syncs.values() for m in sync.shard_opt.masters if m.grad is not None]
-            clip_by_global_norm(grads, grads, max_grad_norm, dist.all_reduce)
+            self.last_grad_norm = clip_by_global_norm(grads, grads, max_grad_norm, dist.all_reduce)
         for sync in self.syncs.values():
             sync.step(None)
 

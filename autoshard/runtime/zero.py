@@ -108,6 +108,50 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
 
+    def own_ranges(self, select: Callable[[nn.Parameter], bool]) -> list[tuple[int, int]]:
+        """Where the selected parameters lie in this rank's shard: (start, end) in shard coordinates."""
+        ranges = []
+        for param, offset, shape in zip(self.params, self.offsets, self.shapes):
+            start, end = max(offset, self.lo), min(offset + math.prod(shape), self.lo + self.shard_numel)
+            if start < end and select(param):
+                ranges.append((start - self.lo, end - self.lo))
+        return ranges
+
+
+@dataclass
+class TensorParallelShards:
+    """What ZeRO over dp needs when tp ranks hold other slices of the model in the same flat layout.
+
+    ``partial``: per group, the shard ranges of gradients each tp rank holds only partially (weights
+    replicated over tp but used on sequence shards): they are summed over tp once reduced over dp.
+    ``replicated``: per group, the ranges of weights every tp rank holds whole: in the gradient norm
+    they count on tp rank 0 only.
+    """
+
+    tp: Any  # runtime.tp.TensorParallel
+    partial: list[list[tuple[int, int]]]
+    replicated: list[list[tuple[int, int]]]
+
+    def sum_partial(self, shards: list[torch.Tensor | None]) -> None:
+        pieces = [s[a:b] for s, ranges in zip(shards, self.partial) if s is not None for a, b in ranges]
+        if pieces:
+            flat = self.tp.sum_(torch.cat(pieces))
+            for piece, total in zip(pieces, flat.split([p.numel() for p in pieces])):
+                piece.copy_(total)
+
+    def counted(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The elements this rank counts in the global norm: all on tp rank 0, the sharded weights elsewhere."""
+        if self.tp.rank == 0:
+            return shards
+        out = []
+        for shard, ranges in zip(shards, self.replicated):
+            start = 0
+            for a, b in [*ranges, (shard.numel(), shard.numel())]:
+                if a > start:
+                    out.append(shard[start:a])
+                start = b
+        return out
+
 
 def layouts_from_slots(slots: Iterable[tuple[nn.Parameter, int, int, int]], dp: int, dp_rank: int) -> list[FlatLayout]:
     """Group (param, group index, offset, numel) slots into FlatLayouts, by group index."""
@@ -139,8 +183,11 @@ class ShardOptimizer:
         offload: bool,
         comm: CommCounter,
         initial_masters: list[torch.Tensor] | None = None,
+        tp_shards: TensorParallelShards | None = None,
     ) -> None:
         """``initial_masters``: fp32 starting values when the compute shards were rounded (mixed precision)."""
+        self.tp_shards = tp_shards
+        self.last_grad_norm: torch.Tensor | None = None  # before clipping, when the step clipped
         self.compute_shards = compute_shards
         self.offload = offload
         self.comm = comm
@@ -176,11 +223,20 @@ class ShardOptimizer:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the shard gradients so that the global (all shards) L2 norm is at most max_norm."""
         grads = [m.grad for m in self.masters if m.grad is not None]
-        return clip_by_global_norm(grads, grads, max_norm, self.comm.all_reduce, self.compute_shards[0].device)
+        shards = self.tp_shards
+        if shards is None:
+            return clip_by_global_norm(grads, grads, max_norm, self.comm.all_reduce, self.compute_shards[0].device)
+
+        def over_dp_and_tp(tensor: torch.Tensor) -> None:
+            self.comm.all_reduce(tensor)
+            shards.tp.sum_(tensor)
+
+        device = self.compute_shards[0].device
+        return clip_by_global_norm(shards.counted(grads), grads, max_norm, over_dp_and_tp, device)
 
     def step(self, max_grad_norm: float | None = None) -> None:
         if max_grad_norm is not None:
-            self.clip_grad_norm(max_grad_norm)
+            self.last_grad_norm = self.clip_grad_norm(max_grad_norm)
         self.optimizer.step()
         if self.separate:
             with torch.no_grad():
@@ -207,8 +263,10 @@ class ZeroDataParallel:
         factory: Callable[[Any], torch.optim.Optimizer],
         comm: CommCounter,
         master_values: dict[int, torch.Tensor] | None = None,
+        tp_shards: TensorParallelShards | None = None,
     ) -> None:
         self.layouts = layouts
+        self.tp_shards = tp_shards
         self.stage = stage
         self.comm = comm
         self.flats: list[torch.Tensor] = []
@@ -225,7 +283,7 @@ class ZeroDataParallel:
             if master_values
             else None
         )
-        self.shard_opt = ShardOptimizer(owned, factory, stage, offload, comm, masters)
+        self.shard_opt = ShardOptimizer(owned, factory, stage, offload, comm, masters, tp_shards)
         # Stage 1 keeps full gradient buffers; stage 2 allocates them per backward.
         self.grad_flats: list[torch.Tensor | None] = [
             torch.zeros_like(flat) if stage == 1 else None for flat in self.flats
@@ -280,6 +338,8 @@ class ZeroDataParallel:
                     param.grad = None
                 self.grad_flats[g] = None  # only the shard stays
                 grads.append(self.grad_shards[g])
+        if self.tp_shards is not None:
+            self.tp_shards.sum_partial(grads)
         self.shard_opt.set_grads(grads)
 
     def step(self, max_grad_norm: float | None) -> None:
