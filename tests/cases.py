@@ -294,7 +294,8 @@ def train_zero(
     """One rank of a ZeRO run: losses, consolidated state, memory by category, communication volume."""
     case = build_case(family, steps, **shape)
     program = compile_case(case, autoshard.Mesh(dp=world_size), plan=plan, optimizer=optimizer)
-    losses, volumes = train_local_batches(program, case)
+    norms: list[float | None] = []
+    losses, volumes = train_local_batches(program, case, norms)
     zero3 = program._zero3
     return {
         "losses": losses,
@@ -305,6 +306,7 @@ def train_zero(
         "peak_gathered": zero3.peak_gathered_bytes if zero3 is not None else None,
         "group_bytes": [lay.padded * 4 for lay in zero3.layouts] if zero3 is not None else None,
         "graph": program.graph_modules[0].code,
+        "grad_norms": norms,
     }
 
 

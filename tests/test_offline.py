@@ -57,12 +57,13 @@ def test_int_mesh_lets_the_planner_choose(gpt2_case) -> None:
 
 def test_mesh_of_unimplemented_strategies_says_so(gpt2_case) -> None:
     msg = (
-        "Plan(dp=8, tp=4, pp=1, zero=1, bucket=25MiB) asks for tensor parallelism with ZeRO (tp=4, zero=1), which "
-        "this version of autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline "
-        "parallelism (with zero <= 2) and tensor parallelism (with dp and pp, without ZeRO): use tp=1 or zero=0"
+        "Plan(dp=8, tp=4, pp=1, zero=3, bucket=25MiB) asks for tensor parallelism with ZeRO-3 (tp=4), which this "
+        "version of autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline parallelism "
+        "(with zero <= 2) and tensor parallelism (with dp and pp, and with ZeRO-1/2 without pp): use tp=1 or "
+        "zero<=2 without pp"
     )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
-        compile_gpt2(gpt2_case, Mesh(dp=8, tp=4), plan={"zero": 1})
+        compile_gpt2(gpt2_case, Mesh(dp=8, tp=4), plan={"zero": 3})
 
 
 def test_three_dimensional_program_offline(gpt2_case) -> None:

@@ -105,7 +105,8 @@ def test_zero_with_pipeline_refuses_tied_weights() -> None:
     msg = (
         "asks for ZeRO with pipeline parallelism for weights tied across layers (lm_head.weight), which this "
         "version of autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline "
-        "parallelism (with zero <= 2) and tensor parallelism (with dp and pp, without ZeRO): use zero=0 or pp=1"
+        "parallelism (with zero <= 2) and tensor parallelism (with dp and pp, and with ZeRO-1/2 without pp): use "
+        "zero=0 or pp=1"
     )
     with pytest.raises(autoshard.PlanError, match=re.escape(msg)):
         compile_gpt2({"zero": 1, "microbatches": 2}, autoshard.Mesh(dp=2, pp=2))
@@ -113,8 +114,11 @@ def test_zero_with_pipeline_refuses_tied_weights() -> None:
 
 def test_clipping_across_stages(ranks) -> None:
     plan = {"microbatches": 2, "max_grad_norm": 0.05}
+    norms: list[float] = []
+    train_single_device("gpt2", max_grad_norm=0.05, norms=norms)
     results = ranks(2).run(train_pipeline, "gpt2", {"pp": 2}, plan)
     check_equivalent(results, "gpt2", max_grad_norm=0.05)
+    assert all(r["grad_norms"] == pytest.approx(norms, rel=1e-5) for r in results)  # (Adam hides a wrong norm)
 
 
 def test_stage_graphs_show_send_and_recv() -> None:

@@ -109,6 +109,10 @@ def test_gradient_clipping_across_shards(ranks, zero: int) -> None:
     plan = {"zero": zero, "max_grad_norm": 0.05}
     results = ranks(2).run(train_zero, "gpt2", plan)
     check_equivalent(results[0], "gpt2", max_grad_norm=0.05)
+    # The norm itself: Adam's update hides a norm that is wrong alike on every rank.
+    norms: list[float] = []
+    train_single_device("gpt2", max_grad_norm=0.05, norms=norms)
+    assert all(r["grad_norms"] == pytest.approx(norms, rel=1e-5) for r in results)
 
 
 def test_sgd_with_momentum_shards_too(ranks) -> None:
