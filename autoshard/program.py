@@ -15,7 +15,7 @@ from autoshard.capture import Captured
 from autoshard.cost import ModelCost
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
-from autoshard.meta import GRAD_BUCKET, LAYER, TP, TP_COMM, ZERO3, get_layer, get_shape, get_tp, get_zero3_gather
+from autoshard.meta import GRAD_BUCKET, LAYER, TP, ZERO3, get_layer, get_shape, get_tp, get_zero3_gather
 from autoshard.passes import pipeline_stages, tp_placement, tp_rewrite, zero3_gather_free
 from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.plan import Plan
@@ -303,14 +303,7 @@ class Program:
                 lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {str(placement):<8} full {shape}")
         for target, why in report.replicated.items():
             lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {'R':<8} replicated: {why}")
-        per_layer: dict[str, dict[str, int]] = {}
-        for node in self._train_gm.graph.nodes:
-            comm = node.meta.get(TP_COMM)
-            if comm is not None:
-                counts = per_layer.setdefault(comm.layer, {})
-                for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
-                    if op:
-                        counts[f"{op} {phase}"] = counts.get(f"{op} {phase}", 0) + 1
+        per_layer = tp_rewrite.collectives_by_layer(self._train_gm)
         lines.append("  collectives per layer:")
         for layer, counts in per_layer.items():
             lines.append(f"    {layer:<30} " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
@@ -514,18 +507,8 @@ class Program:
 
     def _sum_partial_grads(self) -> None:
         """Replicated weights used on sequence shards (norms, split biases): sum their gradients over tp, at once."""
-        grads = [
-            p.grad
-            for p in (self._train_gm.get_parameter(t) for t in self.tp_report.partial_grad_params)
-            if p.grad is not None
-        ]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._tp.sum_(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        params = (self._train_gm.get_parameter(t) for t in self.tp_report.partial_grad_params)
+        self._tp.sum_each_([p.grad for p in params if p.grad is not None])
 
     def _tp_shards(self, layouts: list[FlatLayout]) -> TensorParallelShards | None:
         """Where, in this rank's ZeRO shards, the gradients to sum over tp and the weights replicated over tp lie."""

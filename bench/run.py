@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from autoshard.passes import tp_rewrite
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
@@ -586,22 +587,9 @@ def _tp_vs_torch(rank: int, world_size: int, steps: int, rounds: int) -> dict[st
     if abs(our_first - their_first) > 1e-5 * abs(their_first):
         raise AssertionError(f"first losses differ: autoshard {our_first}, parallelize_module {their_first}")
     timings = _alternate(our_step, their_step, data, rounds)
-    blocks = [c for layer, c in _tp_collectives(program).items() if layer.rsplit(".", 1)[-1].isdigit()]
+    per_layer = tp_rewrite.collectives_by_layer(program.graph_modules[0])
+    blocks = [c for layer, c in per_layer.items() if layer.rsplit(".", 1)[-1].isdigit()]
     return {"timings": timings, "collectives": blocks[0]}
-
-
-def _tp_collectives(program: autoshard.Program) -> dict[str, dict[str, int]]:
-    from autoshard.meta import TP_COMM
-
-    out: dict[str, dict[str, int]] = {}
-    for node in program.graph_modules[0].graph.nodes:
-        comm = node.meta.get(TP_COMM)
-        if comm is not None:
-            for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
-                if op:
-                    key = f"{op} {phase}"
-                    out.setdefault(comm.layer, {})[key] = out.get(comm.layer, {}).get(key, 0) + 1
-    return out
 
 
 def bench_tp(ranks: int = 4) -> None:

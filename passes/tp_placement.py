@@ -226,9 +226,7 @@ class _Search:
         self.gm = gm
         self.degree = degree
         self.committed: dict[str, Placement] = {}
-        self.users_of = {
-            n.target: [u for u in n.users if u.op == "call_function"] for n in gm.graph.nodes if n.op == "get_attr"
-        }
+        self.n_weights = sum(1 for n in gm.graph.nodes if n.op == "get_attr")
 
     def seed_placement(self, trial: dict[str, Placement], node: fx.Node, placement: Shard) -> None:
         trial[_weight_of(node).target] = placement
@@ -341,7 +339,7 @@ class _Search:
             self.seed_placement(trial, seed, placement)
             banned: set[fx.Node] = set()
             prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
-            for _ in range(4 * len(self.users_of) + 8):
+            for _ in range(4 * self.n_weights + 8):  # each fix decides a weight (or its blocks): a safe bound
                 if not self.fix(prop, trial, banned):
                     break
                 prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)

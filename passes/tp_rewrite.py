@@ -60,7 +60,7 @@ from autoshard.sharding_rules import matmul_dims
 from .infra import PassResult
 from .tp_placement import VIEW_OPS as _VIEWS
 
-__all__ = ["READS", "RUNTIME_ATTR", "WRITES", "run"]
+__all__ = ["READS", "RUNTIME_ATTR", "WRITES", "collectives_by_layer", "run"]
 
 READS = ("autoshard.tp", "autoshard.shape", "autoshard.layer")
 WRITES = (TP_COMM,)  # also autoshard.cost (zero) and autoshard.shape on the nodes it inserts
@@ -93,7 +93,6 @@ class _Rewriter:
         self.sequence_parallel = sequence_parallel
         self.partial_grad_params: set[str] = set()
         self.cache: dict[tuple[fx.Node, Any], fx.Node] = {}
-        self.collectives = 0
         first = next(iter(self.graph.nodes))
         with self.graph.inserting_before(first):
             self.tp = self.graph.get_attr(RUNTIME_ATTR)
@@ -114,7 +113,6 @@ class _Rewriter:
         node.meta[TP] = TpPlacement(out=out, inputs=(R, self.placement(after)))
         if comm is not None and (comm.forward or comm.backward):
             node.meta[TP_COMM] = comm
-            self.collectives += 1
         return node
 
     def redistribute(self, source: fx.Node, src: Placement, dst: Placement, consumer: fx.Node) -> fx.Node:
@@ -329,10 +327,8 @@ class _Rewriter:
         for node in self.graph.nodes:  # local sizes first: the inserted nodes' sizes derive from them
             if node.op in ("call_function", "get_attr") and node is not self.tp:
                 node.meta[SHAPE] = _local_shape(get_shape(node), get_tp(node).out, self.degree)
-        for node in list(self.graph.nodes):
-            if node.op == "call_function" and node.meta.get(TP) is not None and TP_COMM not in node.meta:
-                if node is self.tp or node.target in _INSERTED:
-                    continue
+        for node in list(self.graph.nodes):  # a snapshot: the nodes this inserts are not visited
+            if node.op == "call_function":
                 self.rewrite_inputs(node)
                 self.rewrite_op(node)
         output = next(n for n in self.graph.nodes if n.op == "output")
@@ -348,9 +344,19 @@ _RANDOM = {
     aten.rand_like.default, aten.randn_like.default, aten.scaled_dot_product_attention.default,
 }  # fmt: skip
 
-_INSERTED = {
-    tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.scatter, tp_ops.reduce_scatter, tp_ops.gather_rs,
-}  # fmt: skip
+
+def collectives_by_layer(gm: fx.GraphModule) -> dict[str, dict[str, int]]:
+    """The collectives this pass inserted, per layer: ``"<op> fwd"`` / ``"<op> bwd"`` -> how many."""
+    out: dict[str, dict[str, int]] = {}
+    for node in gm.graph.nodes:
+        comm = node.meta.get(TP_COMM)
+        if comm is None:
+            continue
+        counts = out.setdefault(comm.layer, {})
+        for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
+            if op:
+                counts[f"{op} {phase}"] = counts.get(f"{op} {phase}", 0) + 1
+    return out
 
 
 def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tuple[tuple[str, ...], PassResult]:
@@ -363,14 +369,12 @@ def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tup
             node.meta[COST] = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
     gm.graph.lint()
     gm.recompile()
-    counts: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        comm = node.meta.get(TP_COMM)
-        if comm is not None:
-            for phase, op in (("forward", comm.forward), ("backward", comm.backward)):
-                if op:
-                    counts[f"{op} ({phase})"] = counts.get(f"{op} ({phase})", 0) + 1
-    summary = f"{rewriter.collectives} collectives inserted: {counts or 'none'}"
+    totals: dict[str, int] = {}
+    for counts in collectives_by_layer(gm).values():
+        for op, n in counts.items():
+            totals[op] = totals.get(op, 0) + n
+    inserted = sum(1 for node in gm.graph.nodes if TP_COMM in node.meta)
+    summary = f"{inserted} collectives inserted: {dict(sorted(totals.items())) or 'none'}"
     if rewriter.partial_grad_params:
         summary += f"; {len(rewriter.partial_grad_params)} replicated weights' gradients summed over tp after backward"
     return tuple(sorted(rewriter.partial_grad_params)), PassResult("tp_rewrite", True, summary)

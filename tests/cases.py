@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from autoshard.passes.tp_rewrite import collectives_by_layer
 from torch import nn
 
 import autoshard
@@ -373,22 +374,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-
-def collectives_by_layer(gm: Any) -> dict[str, dict[str, int]]:
-    """The TP rewrite's collectives in a graph: per layer, "<op> fwd" / "<op> bwd" -> how many."""
-    from autoshard.meta import TP_COMM
-
-    out: dict[str, dict[str, int]] = {}
-    for node in gm.graph.nodes:
-        comm = node.meta.get(TP_COMM)
-        if comm is None:
-            continue
-        counts = out.setdefault(comm.layer, {})
-        for phase, op in (("fwd", comm.forward), ("bwd", comm.backward)):
-            if op:
-                counts[f"{op} {phase}"] = counts.get(f"{op} {phase}", 0) + 1
-    return out
 
 
 def largest_collective_numel(gm: Any, sizes: dict[str, int]) -> int:

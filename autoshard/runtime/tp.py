@@ -58,7 +58,7 @@ class UnboundTensorParallel(nn.Module):
             "process group"
         )
 
-    sum_ = max_ = gather = reduce_scatter_ = rank_stream = _unbound
+    sum_ = sum_each_ = max_ = gather = reduce_scatter_ = rank_stream = _unbound
 
 
 class TensorParallel(UnboundTensorParallel):
@@ -95,6 +95,13 @@ class TensorParallel(UnboundTensorParallel):
         self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def sum_each_(self, tensors: list[torch.Tensor]) -> None:
+        """All-reduce (sum) every tensor in place, in one collective over their concatenation."""
+        if tensors:
+            flat = self.sum_(torch.cat([t.reshape(-1) for t in tensors]))
+            for tensor, total in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(total.view_as(tensor))
 
     def max_(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (max) in place."""

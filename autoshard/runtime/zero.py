@@ -133,11 +133,7 @@ class TensorParallelShards:
     replicated: list[list[tuple[int, int]]]
 
     def sum_partial(self, shards: list[torch.Tensor | None]) -> None:
-        pieces = [s[a:b] for s, ranges in zip(shards, self.partial) if s is not None for a, b in ranges]
-        if pieces:
-            flat = self.tp.sum_(torch.cat(pieces))
-            for piece, total in zip(pieces, flat.split([p.numel() for p in pieces])):
-                piece.copy_(total)
+        self.tp.sum_each_([s[a:b] for s, ranges in zip(shards, self.partial) if s is not None for a, b in ranges])
 
     def counted(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """The elements this rank counts in the global norm: all on tp rank 0, the sharded weights elsewhere."""
