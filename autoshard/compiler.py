@@ -1,32 +1,58 @@
-"""compile(): model + mesh + example inputs -> capture -> analyze -> plan -> transform -> Program."""
+"""compile(): model + mesh + example inputs -> capture -> analyze -> plan -> transform -> Program.
+
+Everything here is deterministic and needs no process group: the same model, mesh and plan give
+the same graphs and placements on every machine, so a plan for a large mesh can be inspected offline.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoshard import passes
-from autoshard.capture import capture
-from autoshard.cost import summarize
+from autoshard.capture import Captured, capture
+from autoshard.cost import ModelCost, summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.mesh import Mesh
-from autoshard.meta import get_layer, get_shape
-from autoshard.placements import Shard
+from autoshard.meta import get_stage
+from autoshard.placements import OnStages, ParamPlacement, Replicate, Shard
 from autoshard.plan import Plan, is_mixed_precision
-from autoshard.planner import DeviceSpec, choose_plan
-from autoshard.program import Program
-from autoshard.runtime.pipeline import gradient_owners
+from autoshard.planner import DeviceSpec, PlanReport, choose_plan
+from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
+from autoshard.runtime.pipeline import StageGraph
 from autoshard.schedules import Schedule, ScheduleError, build_schedule
 
-__all__ = ["compile"]
+__all__ = ["Compiled", "compile"]
 
 log = logging.getLogger("autoshard")
+run_pass = passes.run_pass
+
+
+@dataclass
+class Compiled:
+    """What compile() hands a Program: the plan, every stage's graph, and where each tensor lives."""
+
+    captured: Captured
+    model: nn.Module
+    plan: Plan
+    report: PlanReport
+    cost: ModelCost
+    placements: dict[str, ParamPlacement]  # the model's state-dict key -> its placement on the mesh
+    stages: list[StageGraph]  # pp > 1: one per stage; else empty (the captured graph runs whole)
+    schedule: Schedule | None
+    tp_report: Any  # passes.tp_placement.TpReport when tp > 1
+    template: torch.optim.Optimizer | None  # the user's optimizer over the original parameters
+    opt_groups: dict[int, int]  # id(parameter) -> the user's param group holding it
+    stages_of: dict[int, frozenset[int]]  # id(tensor) -> the pipeline stages that read it
+    master_values: dict[int, torch.Tensor] | None  # fp32 starting values under mixed precision
+    analysis_log: list[str]
 
 
 def _resolve_mesh(mesh: Any) -> int | Mesh:
@@ -70,20 +96,7 @@ def _check_batch(batch: int, dp: int) -> None:
         )
 
 
-def _tied_parameters(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    """Trainable parameters read by more than one layer (tied weights such as GPT-2's embedding and head)."""
-    layers: dict[str, set[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and get_shape(node).requires_grad:
-            users = (u for u in node.users if u.op == "call_function")
-            layers.setdefault(node.target, set()).update(get_layer(user) for user in users)
-    return tuple(sorted(t.removeprefix("model.") for t, used in layers.items() if len(used) > 1))
-
-
-def _build_pipeline(
-    gm: torch.fx.GraphModule, plan: Plan, sizes: dict[str, int], results: list[passes.PassResult]
-) -> tuple[Schedule, list[passes.pipeline_stages.StageGraph]]:
-    """Validate the schedule, cut the graph into stages, and bucket each stage's gradients."""
+def _schedule(plan: Plan, rows: int) -> Schedule:
     if isinstance(plan.schedule, Schedule):
         schedule = plan.schedule
         if schedule.pp != plan.pp:
@@ -91,34 +104,47 @@ def _build_pipeline(
         schedule.validate()
     else:
         schedule = build_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-    rows = sizes["B"] // plan.dp
     if rows % plan.microbatches:
         raise PlanError(
             f"microbatches={plan.microbatches} does not divide the {rows} rows each dp rank gets of the example "
             f"batch; use a divisor of {rows}, or a global batch divisible by dp x microbatches = "
             f"{plan.dp * plan.microbatches}"
         )
-    n_stages = plan.pp * plan.virtual_stages
-    cuts = list(plan.pp_cuts) if plan.pp_cuts is not None else None
-    results.append(passes.pipeline_split.run(gm, n_stages, sizes, cuts))
-    stages, result = passes.pipeline_stages.run(gm, n_stages)
-    results.append(result)
-    if plan.zero > 0:
-        ranks_of: dict[str, set[int]] = {}
-        for stage in stages:
-            for target in stage.parameter_targets:
-                ranks_of.setdefault(target, set()).add(schedule.rank_of(stage.stage))
-        tied = sorted(t.removeprefix("model.") for t, ranks in ranks_of.items() if len(ranks) > 1)
-        if tied:
-            raise PlanError(
-                f"zero={plan.zero} with pp={plan.pp} shards each stage's gradients over dp, but {tied} are tied "
-                f"across pipeline ranks, whose gradients must be summed first; this version does not do that "
-                f"under ZeRO: use zero=0 with pp > 1, or untie the weights"
-            )
-    owners = gradient_owners(schedule, {s.stage: s.parameter_targets for s in stages})
-    for stage in stages:
-        results.append(passes.grad_buckets.run(stage.gm, plan.bucket_bytes, owners[stage.stage]))
-    return schedule, stages
+    return schedule
+
+
+def _stages_reading(gm: fx.GraphModule, pp: int) -> dict[int, frozenset[int]]:
+    """id(tensor) -> the stages whose nodes read it (every tensor read by the graph; {0} without a pipeline)."""
+    out: dict[int, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            try:
+                tensor = gm.get_parameter(node.target)
+            except AttributeError:
+                try:
+                    tensor = gm.get_buffer(node.target)
+                except AttributeError:
+                    continue  # a runtime module (tp), not state
+            stages = {get_stage(u) for u in node.users} if pp > 1 else {0}
+            out.setdefault(id(tensor), set()).update(stages)
+    return {key: frozenset(stages) for key, stages in out.items()}
+
+
+def _placements(compiled_gm: fx.GraphModule, model: nn.Module, plan: Plan, stages_of: dict[int, frozenset[int]],
+                schedule: Schedule | None, tp_report: Any) -> dict[str, ParamPlacement]:  # fmt: skip
+    """Every state tensor's placement per mesh dimension, read off what the passes decided."""
+    tp_of = {id(compiled_gm.get_parameter(t)): p for t, p in (tp_report.weights if tp_report else {}).items()}
+    partial = {id(compiled_gm.get_parameter(t)) for t in (tp_report.partial_grad_params if tp_report else ())}
+    out = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        read_by = stages_of.get(id(tensor))
+        pp = OnStages(tuple(sorted({schedule.rank_of(s) for s in read_by}))) if schedule and read_by else Replicate()
+        dp = Shard(0) if plan.zero == 3 and trainable and read_by else Replicate()
+        tp = tp_of.get(id(tensor), Replicate())
+        tp = tp if isinstance(tp, Shard) else Replicate()
+        out[key] = ParamPlacement(key, tuple(tensor.shape), trainable, pp, dp, tp, id(tensor) in partial)
+    return out
 
 
 def compile(  # noqa: A001 - the public name of the compiler entry point
@@ -132,12 +158,15 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     *,
     example_target: Any = None,
     device: DeviceSpec | None = None,
-) -> Program:
-    """Compile ``model`` into this rank's distributed training program.
+) -> Any:
+    """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
-    example_inputs (and example_kwargs, example_target) are one global batch. Works offline (no
+    example_inputs (and example_kwargs, example_target) are one global batch. ``optimizer`` is a
+    callable from parameters to a torch optimizer (parameter groups welcome). Works offline (no
     process group) for inspection; under a process group the mesh must match the world size.
     """
+    from autoshard.program import Program
+
     resolved = _resolve_mesh(mesh)
     overrides = _resolve_plan(plan)
     if optimizer is not None and not callable(optimizer):
@@ -170,47 +199,74 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
             cast, (example_inputs, example_kwargs, example_target)
         )
     captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
-    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(captured.gm.graph.nodes))
-    results = passes.analyze(captured.gm, captured.rename)
-    cost = summarize(captured.gm)
-    tied = _tied_parameters(captured.gm)
-    report = choose_plan(resolved, overrides, cost, captured.example_sizes, device or DeviceSpec(), tied)
+    gm, sizes = captured.gm, captured.example_sizes
+    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(gm.graph.nodes))
+    results = passes.analyze(gm, captured.rename)
+    cost = summarize(gm)
+    report = choose_plan(resolved, overrides, cost, sizes, device or DeviceSpec())
     chosen = report.winner
-    chosen.check_implemented(list(report.chosen.not_implemented))
-    _check_batch(captured.example_sizes["B"], chosen.dp)
-    schedule, stages, tp_report = None, None, None
-    if chosen.tp > 1:
-        tp_report, result = passes.tp_placement.run(
-            captured.gm, chosen.tp, chosen.sequence_parallel, captured.example_sizes
+    _check_batch(sizes["B"], chosen.dp)
+    template = make_optimizer(optimizer, model.parameters()) if optimizer is not None else None
+    if template is not None and chosen.zero > 0:
+        check_elementwise(
+            template, f"ZeRO stage {chosen.zero} steps the optimizer on flat 1/dp shards of the parameters"
         )
-        results.append(result)
+    if template is not None and chosen.tp > 1:
+        check_elementwise(template, f"tp={chosen.tp} steps the optimizer on slices of the weights")
+    opt_groups = group_of_params(template, list(model.parameters())) if template is not None else {}
+
+    tp_report = None
+    if chosen.tp > 1:
+        results.append(run_pass(passes.tp_placement.PASS, gm, chosen.tp, chosen.sequence_parallel, sizes))
+        tp_report = results[-1].value
         if not any(isinstance(p, Shard) for p in tp_report.weights.values()):
             reasons = "; ".join(f"{t.removeprefix('model.')}: {why}" for t, why in tp_report.replicated.items())
             raise PlanError(
                 f"tp={chosen.tp} shards none of {captured.model_name}'s weights ({reasons or 'no matrix weights'}); "
                 f"use tp=1, or a tp degree that divides the model's heads and hidden sizes"
             )
-        tp_report.partial_grad_params, result = passes.tp_rewrite.run(captured.gm, chosen.tp, chosen.sequence_parallel)
-        results.append(result)
+        results.append(run_pass(passes.tp_rewrite.PASS, gm, chosen.tp, chosen.sequence_parallel))
+        tp_report.partial_grad_params = results[-1].value
+    schedule = None
     if chosen.pp > 1:
-        schedule, stages = _build_pipeline(captured.gm, chosen, captured.example_sizes, results)
-    else:
-        results.append(passes.grad_buckets.run(captured.gm, chosen.bucket_bytes))
+        schedule = _schedule(chosen, sizes["B"] // chosen.dp)
+        cuts = list(chosen.pp_cuts) if chosen.pp_cuts is not None else None
+        results.append(run_pass(passes.pipeline_split.PASS, gm, chosen.pp * chosen.virtual_stages, sizes, cuts))
+
+    # Flat groups never mix what must stay apart: the stages that read a parameter (so a group is
+    # complete when one stage's backward ends, and a group of weights tied across pipeline ranks is laid
+    # out alike on each of them), and the user's optimizer group (a ZeRO shard steps with one group's
+    # hyper-parameters).
+    stages_of = _stages_reading(gm, chosen.pp)
+    partition = {}
+    for node in gm.graph.nodes:
+        param = _param_or_none(gm, node.target) if node.op == "get_attr" else None
+        if param is not None and id(param) in stages_of:
+            partition[node.target] = (stages_of[id(param)], opt_groups.get(id(param)))
     if chosen.zero == 3:
-        results.append(passes.zero_groups.run(captured.gm))
-        results.append(passes.zero3_gather_free.run(captured.gm))
-    passes.check_graph(captured.gm)
+        results.append(run_pass(passes.zero_groups.PASS, gm, partition))
+    else:
+        results.append(run_pass(passes.grad_buckets.PASS, gm, chosen.bucket_bytes, partition))
+    stages: list[StageGraph] = []
+    if schedule is not None:
+        results.append(run_pass(passes.pipeline_stages.PASS, gm, chosen.pp * chosen.virtual_stages))
+        stages = results[-1].value
+    if chosen.zero == 3:
+        for graph in [s.gm for s in stages] or [gm]:
+            results.append(run_pass(passes.zero3_gather_free.PASS, graph))
+    placements = _placements(gm, model, chosen, stages_of, schedule, tp_report)
     log.info("plan %s: %s", chosen, report.reason)
-    return Program(
-        captured=captured,
-        model=model,
-        plan=chosen,
-        report=report,
-        cost=cost,
-        optimizer_factory=optimizer,
+    compiled = Compiled(
+        captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
+        schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
         master_values=master_values,
-        schedule=schedule,
-        stages=stages,
-        tp_report=tp_report,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
-    )
+    )  # fmt: skip
+    return Program(compiled, optimizer)
+
+
+def _param_or_none(gm: fx.GraphModule, target: str) -> nn.Parameter | None:
+    try:
+        return gm.get_parameter(target)
+    except AttributeError:
+        return None

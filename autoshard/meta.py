@@ -6,6 +6,7 @@ accessors below, which say which pass to run when a key is missing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,10 @@ from torch import fx
 from autoshard.errors import MissingMetaError
 
 __all__ = [
+    "BIAS_AFTER_REDUCE",
+    "BIAS_SPLIT",
     "COST",
+    "PRODUCERS",
     "GRAD_BUCKET",
     "LAYER",
     "SHAPE",
@@ -55,6 +59,22 @@ STAGE = "autoshard.stage"  # written by passes.pipeline_split
 PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
 TP = "autoshard.tp"  # written by passes.tp_placement
 TP_COMM = "autoshard.tp_comm"  # written by passes.tp_rewrite
+
+# Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
+PRODUCERS = {
+    "val": "autoshard.capture",
+    "nn_module_stack": "autoshard.capture",
+    SHAPE: "passes.shape_prop",
+    LAYER: "passes.layer_assign",
+    COST: "passes.cost_model",
+    GRAD_BUCKET: "passes.grad_buckets",
+    ZERO_GROUP: "passes.zero_groups",
+    ZERO3: "passes.zero3_gather_free",
+    STAGE: "passes.pipeline_split",
+    PIPE: "passes.pipeline_stages",
+    TP: "passes.tp_placement",
+    TP_COMM: "passes.tp_rewrite",
+}
 
 
 def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
@@ -159,41 +179,30 @@ class PipeSlot:
     direction: str  # "recv" or "send"
 
 
-def _require(node: fx.Node, key: str, pass_name: str) -> Any:
+def _require(node: fx.Node, key: str) -> Any:
     try:
         return node.meta[key]
     except KeyError:
         raise MissingMetaError(
-            f"node {node.format_node()} has no {key!r}; run passes.{pass_name} on this graph first"
+            f"node {node.format_node()} has no {key!r}; run {PRODUCERS[key]} on this graph first"
         ) from None
 
 
-def get_shape(node: fx.Node) -> NodeShape:
-    return _require(node, SHAPE, "shape_prop")
+def _accessor(key: str) -> Callable[[fx.Node], Any]:
+    def get(node: fx.Node) -> Any:
+        return _require(node, key)
+
+    get.__doc__ = f"The node's {key!r} record; raises MissingMetaError naming {PRODUCERS[key]} when absent."
+    return get
 
 
-def get_layer(node: fx.Node) -> str:
-    return _require(node, LAYER, "layer_assign")
-
-
-def get_cost(node: fx.Node) -> NodeCost:
-    return _require(node, COST, "cost_model")
-
-
-def get_grad_bucket(node: fx.Node) -> FlatSlot:
-    return _require(node, GRAD_BUCKET, "grad_buckets")
-
-
-def get_zero_group(node: fx.Node) -> FlatSlot:
-    return _require(node, ZERO_GROUP, "zero_groups")
-
-
-def get_zero3_gather(node: fx.Node) -> Zero3Gather:
-    return _require(node, ZERO3, "zero3_gather_free")
-
-
-def get_stage(node: fx.Node) -> int:
-    return _require(node, STAGE, "pipeline_split")
+get_shape: Callable[[fx.Node], NodeShape] = _accessor(SHAPE)
+get_layer: Callable[[fx.Node], str] = _accessor(LAYER)
+get_cost: Callable[[fx.Node], NodeCost] = _accessor(COST)
+get_grad_bucket: Callable[[fx.Node], FlatSlot] = _accessor(GRAD_BUCKET)
+get_zero_group: Callable[[fx.Node], FlatSlot] = _accessor(ZERO_GROUP)
+get_zero3_gather: Callable[[fx.Node], Zero3Gather] = _accessor(ZERO3)
+get_stage: Callable[[fx.Node], int] = _accessor(STAGE)
 
 
 @dataclass(frozen=True)
@@ -206,7 +215,14 @@ class TpPlacement:
 
     out: Any
     inputs: tuple[Any, ...]
-    note: str = ""
+    note: str = ""  # for people: why the rule chose this
+    bias: str = ""  # a row-parallel matmul's bias: BIAS_AFTER_REDUCE or BIAS_SPLIT (else "")
+
+
+# How a row-parallel matmul adds its bias (TpPlacement.bias): once after the all-reduce, or bias/tp on
+# each rank before a reduce-scatter (sequence parallel).
+BIAS_AFTER_REDUCE = "after_reduce"
+BIAS_SPLIT = "split"
 
 
 @dataclass(frozen=True)
@@ -219,5 +235,4 @@ class TpCollective:
     reason: str
 
 
-def get_tp(node: fx.Node) -> TpPlacement:
-    return _require(node, TP, "tp_placement")
+get_tp: Callable[[fx.Node], TpPlacement] = _accessor(TP)

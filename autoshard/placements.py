@@ -1,4 +1,9 @@
-"""How a tensor is laid out along one mesh dimension: Shard(dim), Replicate() or Partial()."""
+"""How a tensor is laid out along one mesh dimension: Shard(dim), Replicate(), Partial() or OnStages(ranks).
+
+A ``ParamPlacement`` is one state tensor's record: its full shape and one placement per mesh
+dimension (DTensor's tuple of placements, with the pipeline dimension's own kind). The runtime, the
+state dict, ``for_rank`` and the global gradient norm all read it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Partial", "Placement", "Replicate", "Shard"]
+__all__ = ["OnStages", "ParamPlacement", "Partial", "Placement", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -66,4 +71,67 @@ class Partial:
         return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
 
 
-Placement = Shard | Replicate | Partial
+@dataclass(frozen=True)
+class OnStages:
+    """Along pp: the tensor lives on these pipeline ranks only (several: a weight tied across stages)."""
+
+    ranks: tuple[int, ...]
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "@" + ",".join(str(r) for r in self.ranks)
+
+
+Placement = Shard | Replicate | Partial | OnStages
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where one tensor of the model's state lives on the mesh.
+
+    pp    OnStages(ranks) for a tensor the stages of those pipeline ranks read; Replicate() when every
+          pipeline rank holds it (no pipeline, or a tensor no stage reads)
+    dp    Shard(0): ZeRO-3 keeps a flat 1/dp shard of it at rest; Replicate() otherwise
+    tp    Shard(dim) (strided: Shard(dim, blocks)) when tensor parallelism splits it; Replicate() otherwise
+    partial_over_tp: its gradient is a partial sum on each tp rank (a replicated weight used on
+          sequence shards, or a bias split over the ranks), summed over tp after backward
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    trainable: bool
+    pp: OnStages | Replicate
+    dp: Shard | Replicate
+    tp: Shard | Replicate
+    partial_over_tp: bool = False
+
+    @property
+    def tied(self) -> bool:
+        """A trainable tensor that several pipeline ranks hold a copy of (its gradients are summed there)."""
+        return self.trainable and isinstance(self.pp, OnStages) and len(self.pp.ranks) > 1
+
+    def held_on(self, pp_rank: int) -> bool:
+        return not isinstance(self.pp, OnStages) or pp_rank in self.pp.ranks
+
+    def counts_in_norm(self, coords: dict[str, int], grad_sharded_over_dp: bool) -> bool:
+        """Whether this rank's copy of the gradient counts in the global norm: every element exactly once.
+
+        A dimension that shards the gradient counts every rank's part; one that replicates it counts
+        its first rank's copy (a tied weight: the first pipeline rank that holds it).
+        """
+        if isinstance(self.tp, Replicate) and coords["tp"] != 0:
+            return False
+        if isinstance(self.pp, OnStages) and coords["pp"] != self.pp.ranks[0]:
+            return False
+        if isinstance(self.pp, Replicate) and coords["pp"] != 0:
+            return False
+        return grad_sharded_over_dp or coords["dp"] == 0
+
+    def by_dim(self) -> dict[str, Placement]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    def __str__(self) -> str:
+        extra = " (gradient partial over tp)" if self.partial_over_tp else ""
+        return f"{self.key} {tuple(self.shape)}: pp {self.pp}, dp {self.dp}, tp {self.tp}{extra}"

@@ -124,31 +124,6 @@ class Plan:
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
 
-    def not_implemented(self) -> list[str]:
-        """What this plan asks for that this version of autoshard cannot run yet."""
-        missing = []
-        if self.tp > 1 and (self.zero == 3 or (self.zero > 0 and self.pp > 1)):
-            missing.append(f"tensor parallelism with ZeRO-{self.zero}{' and pp' if self.pp > 1 else ''} (tp={self.tp})")
-        if self.pp > 1 and self.zero == 3:
-            missing.append(f"ZeRO-3 with pipeline parallelism (zero=3, pp={self.pp})")
-        return missing
-
-    def check_implemented(self, missing: list[str] | None = None) -> None:
-        """Raise naming what this plan asks for that is not implemented (``missing``: as the planner found it)."""
-        missing = self.not_implemented() if missing is None else missing
-        if missing:
-            fixes = []
-            if self.tp > 1 and (self.zero == 3 or (self.zero > 0 and self.pp > 1)):
-                fixes.append("tp=1 or zero<=2 without pp")
-            if self.pp > 1 and self.zero > 0:
-                fixes.append("zero=0 or pp=1")
-            raise PlanError(
-                f"{self} asks for {', '.join(missing)}, which this version of autoshard does not implement yet; "
-                f"it implements data parallelism, ZeRO, pipeline parallelism (with zero <= 2) and tensor "
-                f"parallelism (with dp and pp, and with ZeRO-1/2 without pp): "
-                f"use {'; '.join(fixes) or 'another plan'}"
-            )
-
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))

@@ -41,11 +41,6 @@ class Candidate:
     memory_bytes: int
     step_seconds: float
     fits: bool
-    not_implemented: tuple[str, ...]
-
-    @property
-    def runnable(self) -> bool:
-        return not self.not_implemented
 
 
 @dataclass(frozen=True)
@@ -64,13 +59,11 @@ class PlanReport:
 
     def table(self, top: int = 8) -> str:
         lines = [f"{'plan':<52} {'memory/rank':>12} {'step time':>11}  note"]
-        ranked = sorted(self.candidates, key=lambda c: (not c.runnable, not c.fits, c.step_seconds))
+        ranked = sorted(self.candidates, key=lambda c: (not c.fits, c.step_seconds))
         for c in ranked[:top]:
             note = "chosen" if c.plan == self.winner else ""
             if not c.fits:
                 note = (note + "; " if note else "") + "does not fit"
-            if c.not_implemented:
-                note = (note + "; " if note else "") + "not implemented: " + ", ".join(c.not_implemented)
             lines.append(f"{str(c.plan):<52} {_gib(c.memory_bytes):>12} {c.step_seconds * 1e3:>9.3f}ms  {note}")
         if len(ranked) > top:
             lines.append(f"... and {len(ranked) - top} more candidates")
@@ -160,12 +153,8 @@ def choose_plan(
     cost: ModelCost,
     sizes: dict[str, int],
     device: DeviceSpec,
-    tied: tuple[str, ...] = (),
 ) -> PlanReport:
-    """Pick the fastest plan that this version implements and that fits; explain the choice.
-
-    ``tied``: parameters read by several layers (tied weights), which ZeRO cannot shard across stages yet.
-    """
+    """Pick the fastest plan that fits; explain the choice."""
     Plan.check_overrides(overrides)
     if isinstance(world_or_mesh, Mesh):
         mesh = world_or_mesh
@@ -200,15 +189,8 @@ def choose_plan(
                 fields["microbatches"] = default_microbatches(sizes.get("B", 1) // dp, pp, schedule)
             plan = Plan(**fields)
             memory, seconds = estimate(plan, evaluated, device)
-            missing = plan.not_implemented()
-            if tied and pp > 1 and zero in (1, 2):  # (ZeRO-3 with pp is not implemented at all)
-                missing.append(f"ZeRO with pipeline parallelism for weights tied across layers ({', '.join(tied)})")
-            candidates.append(Candidate(plan, memory, seconds, memory <= device.memory_bytes, tuple(missing)))
-    runnable = [c for c in candidates if c.runnable]
-    if not runnable:
-        best = min(candidates, key=lambda c: c.step_seconds)
-        best.plan.check_implemented(list(best.not_implemented))  # raises, naming what is missing
-    fitting = [c for c in runnable if c.fits]
+            candidates.append(Candidate(plan, memory, seconds, memory <= device.memory_bytes))
+    fitting = [c for c in candidates if c.fits]
     # The rule of thumb: a model that fits one device with plain data parallelism trains data-parallel
     # (ZeRO at most); splitting it by stages or tensors pays bubbles and activation traffic instead.
     data_parallel = [c for c in fitting if c.plan.pp == 1 and c.plan.tp == 1]
@@ -223,13 +205,13 @@ def choose_plan(
         winner = min(fitting, key=lambda c: c.step_seconds)
         others = len(candidates) - 1
         reason = (
-            f"fastest predicted step among the {len(fitting)} implemented candidate(s) that fit "
+            f"fastest predicted step among the {len(fitting)} candidate(s) that fit "
             f"{_gib(device.memory_bytes)} per rank ({others} other candidate(s) considered)"
         )
     else:
-        winner = min(runnable, key=lambda c: c.memory_bytes)
+        winner = min(candidates, key=lambda c: c.memory_bytes)
         reason = (
-            f"no implemented candidate fits {_gib(device.memory_bytes)} per rank; chose the one needing "
+            f"no candidate fits {_gib(device.memory_bytes)} per rank; chose the one needing "
             f"the least memory ({_gib(winner.memory_bytes)})"
         )
     return PlanReport(

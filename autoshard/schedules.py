@@ -162,6 +162,11 @@ class Schedule:
         grid = self.timeline()
         return [sum(a is None for a in row) / len(row) for row in grid]
 
+    def stages_by_last_backward(self, rank: int) -> list[int]:
+        """The stages of ``rank`` in the order their last backward runs (when their gradients are complete)."""
+        last = {a.stage: i for i, a in enumerate(self.ranks[rank]) if a.kind == "B"}
+        return sorted(last, key=last.__getitem__)
+
     def peak_in_flight(self) -> list[int]:
         """Per rank, the most microbatches whose forward ran and backward has not (activations held)."""
         peaks = []

@@ -25,7 +25,18 @@ from torch import fx
 from autoshard.meta import get_shape
 from autoshard.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["RULES", "Decision", "RuleInput", "matmul_dims", "sequence_dim", "view_groups"]
+__all__ = [
+    "P",
+    "R",
+    "RULES",
+    "Decision",
+    "RuleInput",
+    "norm_dim",
+    "register",
+    "replicate_all",
+    "sequence_dim",
+    "view_groups",
+]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -43,7 +54,8 @@ class Decision:
 
     out: Out
     want: dict[fx.Node, Placement] = field(default_factory=dict)
-    note: str = ""
+    note: str = ""  # for people
+    bias: str = ""  # a row-parallel matmul's bias: meta.BIAS_AFTER_REDUCE or meta.BIAS_SPLIT
 
 
 @dataclass
@@ -98,7 +110,7 @@ def _is_tensor(node: fx.Node) -> bool:
     return shape.scalar is None and len(shape.tensors) == 1 and shape.tensors[0] is not None
 
 
-def _norm(dim: int, ndim: int) -> int:
+def norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
@@ -204,11 +216,21 @@ def view_groups(a: Sequence[sympy.Expr], b: Sequence[sympy.Expr]) -> list[tuple[
     return groups
 
 
-def _view(ctx: RuleInput) -> Decision:
-    x = ctx.node.args[0]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
+def _moves_shard(rule: Callable[[RuleInput, fx.Node, Shard], Decision]) -> Callable[[RuleInput], Decision]:
+    """A rule for ops that only rearrange dimensions: a value that is not sharded keeps its placement,
+    and ``rule(ctx, x, shard)`` says where a sharded input's dimension goes."""
+
+    def wrapped(ctx: RuleInput) -> Decision:
+        x = ctx.node.args[0]
+        p = ctx.p(x)
+        return rule(ctx, x, p) if isinstance(p, Shard) else Decision(p)
+
+    wrapped.__name__ = rule.__name__
+    return wrapped
+
+
+@_moves_shard
+def _view(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
     in_sizes, out_sizes = ctx.sizes(x), ctx.out_sizes()
     for ins, outs in view_groups(in_sizes, out_sizes):
         if p.dim not in ins:
@@ -220,54 +242,38 @@ def _view(ctx: RuleInput) -> Decision:
     return replicate_all(ctx)
 
 
-def _transpose(ctx: RuleInput) -> Decision:
-    x, d0, d1 = ctx.node.args[:3]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
+@_moves_shard
+def _transpose(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
     nd = ctx.ndim(x)
-    d0, d1 = _norm(d0, nd), _norm(d1, nd)
-    dim = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
-    return Decision(Shard(dim, p.blocks))
+    d0, d1 = (norm_dim(d, nd) for d in ctx.node.args[1:3])
+    return Decision(Shard(d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim, p.blocks))
 
 
-def _t(ctx: RuleInput) -> Decision:
-    p = ctx.p(ctx.node.args[0])
-    return Decision(Shard(1 - p.dim, p.blocks) if isinstance(p, Shard) else p)
+@_moves_shard
+def _t(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
+    return Decision(Shard(1 - p.dim, p.blocks))
 
 
-def _permute(ctx: RuleInput) -> Decision:
-    x, dims = ctx.node.args[:2]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
-    nd = ctx.ndim(x)
-    return Decision(Shard([_norm(d, nd) for d in dims].index(p.dim), p.blocks))
+@_moves_shard
+def _permute(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
+    dims = [norm_dim(d, ctx.ndim(x)) for d in ctx.node.args[1]]
+    return Decision(Shard(dims.index(p.dim), p.blocks))
 
 
-def _unsqueeze(ctx: RuleInput) -> Decision:
-    x, dim = ctx.node.args[:2]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
-    dim = _norm(dim, ctx.ndim(x) + 1)
+@_moves_shard
+def _unsqueeze(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
+    dim = norm_dim(ctx.node.args[1], ctx.ndim(x) + 1)
     return Decision(Shard(p.dim + (p.dim >= dim), p.blocks))
 
 
-def _squeeze_dim(ctx: RuleInput) -> Decision:
-    x, dim = ctx.node.args[:2]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
-    dim = _norm(dim, ctx.ndim(x))
+@_moves_shard
+def _squeeze_dim(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
+    dim = norm_dim(ctx.node.args[1], ctx.ndim(x))
     return Decision(Shard(p.dim - (p.dim > dim), p.blocks))
 
 
-def _expand(ctx: RuleInput) -> Decision:
-    x = ctx.node.args[0]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
+@_moves_shard
+def _expand(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
     return Decision(Shard(p.dim + len(ctx.out_sizes()) - ctx.ndim(x), p.blocks))
 
 
@@ -275,7 +281,7 @@ def _slice(ctx: RuleInput) -> Decision:
     x = ctx.node.args[0]
     p = ctx.p(x)
     nd = ctx.ndim(x)
-    dim = _norm(ctx.arg(1, "dim", 0), nd)
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
     if not isinstance(p, Shard) or p.dim != dim:
         return Decision(p)
     start, end, step = ctx.arg(2, "start"), ctx.arg(3, "end"), ctx.arg(4, "step", 1)
@@ -283,15 +289,10 @@ def _slice(ctx: RuleInput) -> Decision:
     return Decision(p) if whole else replicate_all(ctx)
 
 
-def _select(ctx: RuleInput) -> Decision:
-    x, dim = ctx.node.args[:2]
-    p = ctx.p(x)
-    if not isinstance(p, Shard):
-        return Decision(p)
-    dim = _norm(dim, ctx.ndim(x))
-    if p.dim == dim:
-        return replicate_all(ctx)
-    return Decision(Shard(p.dim - (p.dim > dim), p.blocks))
+@_moves_shard
+def _select(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
+    dim = norm_dim(ctx.node.args[1], ctx.ndim(x))
+    return replicate_all(ctx) if p.dim == dim else Decision(Shard(p.dim - (p.dim > dim), p.blocks))
 
 
 def _split(ctx: RuleInput) -> Decision:
@@ -299,7 +300,7 @@ def _split(ctx: RuleInput) -> Decision:
     p = ctx.p(x)
     n = len(get_shape(ctx.node).tensors)
     nd = ctx.ndim(x)
-    dim = _norm(ctx.arg(2, "dim", 0), nd)
+    dim = norm_dim(ctx.arg(2, "dim", 0), nd)
     if not isinstance(p, Shard):
         return Decision(tuple(p for _ in range(n)))
     if p.dim != dim:
@@ -322,7 +323,7 @@ def _getitem(ctx: RuleInput) -> Decision:
 def _cat(ctx: RuleInput) -> Decision:
     tensors = ctx.node.args[0]
     nd = len(ctx.out_sizes())
-    dim = _norm(ctx.arg(1, "dim", 0), nd)
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
     placements = [ctx.p(t) for t in tensors]
     if all(isinstance(p, Partial) for p in placements):
         return Decision(P)
@@ -332,166 +333,6 @@ def _cat(ctx: RuleInput) -> Decision:
     return Decision(shard, {t: shard for t, p in zip(tensors, placements) if p != shard})
 
 
-def matmul_dims(target: Any) -> tuple[int, int, int] | None:
-    """(index of x, index of the weight, weight's output-feature dim) for the matmul-like ops."""
-    return {
-        aten.linear.default: (0, 1, 0),
-        aten.addmm.default: (1, 2, 1),
-        aten.mm.default: (0, 1, 1),
-    }.get(target)
-
-
-def _matmul_weight(ctx: RuleInput) -> Decision:
-    """linear(x, W[n,k], b), addmm(b, x, W[k,n]), mm(x, W[k,n]): column- or row-parallel by W's shard."""
-    xi, wi, n_dim = matmul_dims(ctx.node.target)
-    k_dim = 1 - n_dim
-    x, w = ctx.node.args[xi], ctx.node.args[wi]
-    bias = ctx.node.args[0] if ctx.node.target == aten.addmm.default else ctx.arg(2, "bias")
-    px, pw = ctx.p(x), ctx.p(w)
-    last = ctx.ndim(x) - 1
-    want: dict[fx.Node, Placement] = {}
-    if isinstance(px, Partial):
-        want[x], px = R, R
-    if isinstance(pw, Partial):
-        want[w], pw = R, R
-    if isinstance(pw, Shard) and pw.dim == n_dim:  # column-parallel
-        if px != R:
-            want[x] = R
-        if isinstance(bias, fx.Node) and ctx.p(bias) != Shard(0, pw.blocks):
-            want[bias] = Shard(0, pw.blocks)
-        return Decision(Shard(last, pw.blocks), want, "column-parallel")
-    if isinstance(pw, Shard) and pw.dim == k_dim and pw.blocks == 1:  # row-parallel
-        if px != Shard(last):
-            want[x] = Shard(last)
-        if isinstance(bias, fx.Node):
-            if ctx.p(bias) != R:
-                want[bias] = R
-            if ctx.sequence_parallel:  # each rank adds bias / tp: the reduce-scatter sums them to the bias
-                return Decision(P, want, "row-parallel, bias split over the ranks")
-            return Decision(R, want, "row-parallel, bias added after the all-reduce")
-        return Decision(P, want, "row-parallel")
-    if isinstance(pw, Shard):
-        return replicate_all(ctx)
-    if isinstance(px, Shard) and px.dim != last:
-        if isinstance(bias, fx.Node) and ctx.p(bias) != R:
-            want[bias] = R
-        return Decision(px, want)  # rows (batch or sequence) sharded, the weight whole
-    if isinstance(px, Shard):
-        want[x] = R
-    if isinstance(bias, fx.Node) and ctx.p(bias) != R:
-        want[bias] = R
-    return Decision(R, want)
-
-
-def _bmm(ctx: RuleInput) -> Decision:
-    """bmm / matmul of two activations [..., m, k] @ [..., k, n] with equal ranks."""
-    a, b = ctx.node.args[:2]
-    if ctx.ndim(a) != ctx.ndim(b) or ctx.ndim(a) < 2:
-        return replicate_all(ctx)
-    nd = ctx.ndim(a)
-    pa, pb = ctx.p(a), ctx.p(b)
-    if isinstance(pa, Partial) or isinstance(pb, Partial):
-        return replicate_all(ctx)
-    if isinstance(pa, Shard) and pa.dim < nd - 2:  # batch dims (heads) sharded alike
-        return Decision(pa, {} if pb == pa else {b: pa})
-    if isinstance(pb, Shard) and pb.dim < nd - 2:
-        return Decision(pb, {a: pb})
-    if pa == Shard(nd - 1) and pb == Shard(nd - 2):
-        return Decision(P)
-    if isinstance(pa, Shard) and pa.dim == nd - 2 and pb == R:
-        return Decision(pa)
-    if pa == R and pb == Shard(nd - 1):
-        return Decision(pb)
-    return replicate_all(ctx)
-
-
-def _embedding(ctx: RuleInput) -> Decision:
-    w, ids = ctx.node.args[:2]
-    pw, pi = ctx.p(w), ctx.p(ids)
-    out_nd = len(ctx.out_sizes())
-    if pw == Shard(0):
-        return Decision(P, {} if pi == R else {ids: R}, "vocab-parallel")
-    if pw == Shard(1):
-        return Decision(Shard(out_nd - 1), {} if pi == R else {ids: R})
-    if isinstance(pi, Shard):
-        return Decision(pi, {} if pw == R else {w: R})
-    return replicate_all(ctx)
-
-
-def _sdpa(ctx: RuleInput) -> Decision:
-    """scaled_dot_product_attention(q, k, v, mask) on [B, H, S, D]: heads sharded, or batch."""
-    q, k, v = ctx.node.args[:3]
-    mask = ctx.arg(3, "attn_mask")
-    placements = [ctx.p(t) for t in (q, k, v)]
-    if any(isinstance(p, Shard) and p.dim == 1 for p in placements):
-        heads = [ctx.sizes(t)[1] for t in (q, k, v)]
-        if all(ctx.divisible(h) for h in heads) and ctx.sizes(q)[1] == ctx.sizes(k)[1]:
-            want = {t: Shard(1) for t, p in zip((q, k, v), placements) if p != Shard(1)}
-            if isinstance(mask, fx.Node):
-                per_head = ctx.ndim(mask) == 4 and ctx.sizes(mask)[1] != 1
-                target = Shard(1) if per_head else R
-                if ctx.p(mask) != target:
-                    want[mask] = target
-            return Decision(Shard(1), want, "attention sharded by heads")
-    return replicate_all(ctx)
-
-
-def _layer_norm(ctx: RuleInput) -> Decision:
-    x, normalized = ctx.node.args[:2]
-    p = ctx.p(x)
-    params = [a for a in ctx.node.args[2:4] if isinstance(a, fx.Node)]
-    if isinstance(p, Shard) and p.dim < ctx.ndim(x) - len(normalized):
-        return Decision(p, {a: R for a in params if ctx.p(a) != R})
-    return replicate_all(ctx)
-
-
-def _reduce_dims(ctx: RuleInput) -> Decision:
-    """mean.dim / sum.dim_IntList / amax: fine while the sharded dimension is not reduced."""
-    x = ctx.node.args[0]
-    p = ctx.p(x)
-    nd = ctx.ndim(x)
-    dims = ctx.arg(1, "dim")
-    dims = list(range(nd)) if dims is None else [_norm(d, nd) for d in (dims if isinstance(dims, list) else [dims])]
-    keepdim = ctx.arg(2, "keepdim", False)
-    if isinstance(p, Shard) and p.dim not in dims:
-        return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
-    if isinstance(p, Partial) and ctx.node.target in (aten.sum.dim_IntList, aten.mean.dim):
-        return Decision(P)
-    return replicate_all(ctx) if p != R else Decision(R)
-
-
-def _softmax(ctx: RuleInput) -> Decision:
-    x, dim = ctx.node.args[:2]
-    p = ctx.p(x)
-    if isinstance(p, Shard) and p.dim != _norm(dim, ctx.ndim(x)):
-        return Decision(p)
-    return replicate_all(ctx)
-
-
-def _cross_entropy(ctx: RuleInput) -> Decision:
-    """cross_entropy_loss(logits [N, C], target [N]): with classes sharded, Megatron's vocab-parallel loss."""
-    logits, target = ctx.node.args[:2]
-    plain = (
-        ctx.arg(2, "weight") is None
-        and ctx.arg(5, "label_smoothing", 0.0) == 0.0
-        and ctx.arg(3, "reduction", 1) in (0, 1, 2)
-        and ctx.ndim(logits) == 2
-    )
-    if plain and ctx.p(logits) == Shard(1):
-        return Decision(R, {} if ctx.p(target) == R else {target: R}, "vocab-parallel cross-entropy")
-    return replicate_all(ctx)
-
-
-def _pad(ctx: RuleInput) -> Decision:
-    x, pads = ctx.node.args[:2]
-    p = ctx.p(x)
-    nd = ctx.ndim(x)
-    padded = {nd - 1 - i // 2 for i in range(len(pads))}
-    if isinstance(p, Shard) and p.dim not in padded:
-        return Decision(p)
-    return replicate_all(ctx) if p != R else Decision(R)
-
-
 def _sym_size(ctx: RuleInput) -> Decision:
     return Decision(R)  # a size of the full tensor; the rewrite keeps it global
 
@@ -499,18 +340,19 @@ def _sym_size(ctx: RuleInput) -> Decision:
 RULES: dict[Any, Callable[[RuleInput], Decision]] = {}
 
 
-def _register(rule: Callable[[RuleInput], Decision], *ops: Any) -> None:
+def register(rule: Callable[[RuleInput], Decision], *ops: Any) -> None:
+    """Make ``rule`` the rule of every overload in ``ops``."""
     for op in ops:
         RULES[op] = rule
 
 
-_register(
+register(
     _pointwise(linear=True),
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
     aten.clone.default, aten.alias.default, aten.type_as.default,
 )  # fmt: skip
-_register(
+register(
     _pointwise(linear=False),
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
     aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default, aten.pow.Tensor_Scalar,
@@ -521,30 +363,24 @@ _register(
     aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_not.default, aten.logical_not.default,
     aten.detach.default, aten.maximum.default, aten.minimum.default, aten.clamp.default,
 )  # fmt: skip
-_register(_view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
-_register(_transpose, aten.transpose.int)
-_register(_t, aten.t.default)
-_register(_permute, aten.permute.default)
-_register(_unsqueeze, aten.unsqueeze.default)
-_register(_squeeze_dim, aten.squeeze.dim)
-_register(_expand, aten.expand.default)
-_register(_slice, aten.slice.Tensor)
-_register(_select, aten.select.int)
-_register(_split, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-_register(_getitem, operator.getitem)
-_register(_cat, aten.cat.default)
-_register(_matmul_weight, aten.linear.default, aten.addmm.default, aten.mm.default)
-_register(_bmm, aten.bmm.default, aten.matmul.default)
-_register(_embedding, aten.embedding.default)
-_register(_sdpa, aten.scaled_dot_product_attention.default)
-_register(_layer_norm, aten.layer_norm.default)
-_register(_reduce_dims, aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
-_register(_softmax, aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
-_register(_cross_entropy, aten.cross_entropy_loss.default)
-_register(_pad, aten.pad.default, aten.constant_pad_nd.default)
-_register(_sym_size, aten.sym_size.int)
-_register(
+register(_view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
+register(_transpose, aten.transpose.int)
+register(_t, aten.t.default)
+register(_permute, aten.permute.default)
+register(_unsqueeze, aten.unsqueeze.default)
+register(_squeeze_dim, aten.squeeze.dim)
+register(_expand, aten.expand.default)
+register(_slice, aten.slice.Tensor)
+register(_select, aten.select.int)
+register(_split, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+register(_getitem, operator.getitem)
+register(_cat, aten.cat.default)
+register(_sym_size, aten.sym_size.int)
+register(
     _no_output,
     aten._assert_tensor_metadata.default, aten.arange.default, aten.arange.start, aten.full.default,
     aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
 )  # fmt: skip
+
+# The compute ops' rules (matmuls, embedding, attention, norms, reductions, loss) register themselves.
+from autoshard import sharding_compute_rules  # noqa: E402, F401

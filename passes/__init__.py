@@ -1,6 +1,7 @@
-"""autoshard's graph passes, one a file, and the order the compiler runs them in.
+"""autoshard's graph passes, one a file, each a ``Pass`` record run through ``run_pass``.
 
-Analysis passes only write node.meta (keys in autoshard.meta); each module declares READS and WRITES.
+Analysis passes only write node.meta (keys in autoshard.meta); transformation passes rewrite the
+graph. Every pass declares the keys it reads and writes, and ``run_pass`` checks both.
 """
 
 from __future__ import annotations
@@ -22,30 +23,46 @@ from . import (
     zero3_gather_free,
     zero_groups,
 )
-from .infra import PassResult, check_graph
+from .infra import Need, Pass, PassResult, check_graph, run_pass
 
-__all__ = ["ANALYSES", "PassResult", "analyze", "check_graph"]
-
-ANALYSES = (shape_prop, layer_assign, cost_model)
-
-
-def analyze(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> list[PassResult]:
-    """Run the analysis passes in order, checking the graph and the promised keys after each."""
-    results = [shape_prop.run(gm, rename)]
-    check_graph(gm, shape_prop.WRITES)
-    results.append(layer_assign.run(gm))
-    check_graph(gm, layer_assign.WRITES)
-    results.append(cost_model.run(gm))
-    check_graph(gm, cost_model.WRITES)
-    return results
-
-
-__all__ += [
+__all__ = [
+    "ALL",
+    "ANALYSES",
+    "Need",
+    "Pass",
+    "PassResult",
+    "analyze",
+    "check_graph",
+    "cost_model",
     "grad_buckets",
+    "layer_assign",
     "pipeline_split",
     "pipeline_stages",
+    "run_pass",
+    "shape_prop",
     "tp_placement",
     "tp_rewrite",
     "zero3_gather_free",
     "zero_groups",
 ]
+
+ANALYSES = (shape_prop.PASS, layer_assign.PASS, cost_model.PASS)
+ALL = (
+    *ANALYSES,
+    tp_placement.PASS,
+    tp_rewrite.PASS,
+    pipeline_split.PASS,
+    grad_buckets.PASS,
+    zero_groups.PASS,
+    pipeline_stages.PASS,
+    zero3_gather_free.PASS,
+)
+
+
+def analyze(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> list[PassResult]:
+    """Run the analysis passes in order: shapes, layers, costs."""
+    return [
+        run_pass(shape_prop.PASS, gm, rename),
+        run_pass(layer_assign.PASS, gm),
+        run_pass(cost_model.PASS, gm),
+    ]

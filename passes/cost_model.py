@@ -20,44 +20,14 @@ import sympy
 import torch
 from torch import fx
 
-from autoshard.meta import COST, NodeCost, TensorShape, get_shape
+from autoshard.meta import COST, SHAPE, NodeCost, TensorShape, get_shape
+from autoshard.ops import ALIASING, packet
 
-from .infra import PassResult
+from .infra import Need, Pass, PassResult
 
-__all__ = ["FLOP_RULES", "READS", "VIEW_OPS", "WRITES", "run"]
-
-READS = ("autoshard.shape",)
-WRITES = (COST,)
+__all__ = ["FLOP_RULES", "PASS", "run"]
 
 aten = torch.ops.aten
-
-# Ops whose output aliases an input: they allocate no activation memory.
-VIEW_OPS = {
-    aten.view,
-    aten._unsafe_view,
-    aten.reshape,
-    aten.expand,
-    aten.permute,
-    aten.transpose,
-    aten.t,
-    aten.unsqueeze,
-    aten.squeeze,
-    aten.slice,
-    aten.select,
-    aten.split,
-    aten.split_with_sizes,
-    aten.chunk,
-    aten.unbind,
-    aten.alias,
-    aten.detach,
-    aten.as_strided,
-    aten.unflatten,
-    aten.flatten,
-    aten.contiguous,
-    aten.to,
-    aten._assert_tensor_metadata,
-    aten.sym_size,
-}
 
 Operands = list[TensorShape | None]
 FlopRule = Callable[[fx.Node, Operands, TensorShape], tuple[sympy.Expr, sympy.Expr]]
@@ -131,10 +101,6 @@ FLOP_RULES: dict[object, FlopRule] = {
 }
 
 
-def _packet(node: fx.Node) -> object:
-    return getattr(node.target, "overloadpacket", node.target)
-
-
 def run(gm: fx.GraphModule) -> PassResult:
     zero = sympy.Integer(0)
     seen_params: set[int] = set()
@@ -155,11 +121,11 @@ def run(gm: fx.GraphModule) -> PassResult:
                 seen_params.add(id(param))
                 param_bytes = param.numel() * param.element_size()
         elif node.op == "call_function":
-            packet = _packet(node)
-            rule = FLOP_RULES.get(packet)
+            op = packet(node.target)
+            rule = FLOP_RULES.get(op)
             if rule is not None:
                 flops_fwd, flops_bwd = rule(node, _operand_shapes(node), shape.tensors[0])
-            if packet not in VIEW_OPS and isinstance(node.target, torch._ops.OpOverload):
+            if op not in ALIASING and isinstance(node.target, torch._ops.OpOverload):
                 activation_bytes = sympy.Add(*(t.nbytes for t in shape.tensors if t is not None and t.requires_grad))
         node.meta[COST] = NodeCost(
             flops_fwd=sympy.expand(flops_fwd),
@@ -169,3 +135,6 @@ def run(gm: fx.GraphModule) -> PassResult:
         )
         total_fwd += flops_fwd
     return PassResult("cost_model", False, f"forward FLOPs {sympy.expand(total_fwd)}")
+
+
+PASS = Pass("cost_model", reads=(Need(SHAPE),), writes=(Need(COST),), run=run)

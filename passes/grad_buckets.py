@@ -4,62 +4,74 @@ Reads:  autoshard.shape (of get_attr nodes: numel and dtype)
 Writes: autoshard.grad_bucket (meta.FlatSlot) on the get_attr nodes of trainable parameters
 
 Backward produces a parameter's gradient once it has passed the parameter's first use in forward,
-so gradients become ready in reverse order of first use. Bucket 0 holds the parameters used last;
-buckets fill up to ``bucket_bytes`` and never mix dtypes. The runtime all-reduces a bucket as soon
-as all its gradients are ready, in bucket order on every rank, while backward goes on (DDP's overlap).
-A parameter reached through several get_attr nodes (tied weights) has one slot.
+so gradients become ready in reverse order of first use. Buckets fill in that order up to
+``bucket_bytes``; a bucket holds one dtype and one ``partition`` key (the compiler's: the pipeline
+stages that read a parameter and the user's optimizer group, so that a bucket's flat shard belongs
+to one group and one set of ranks). Buckets are numbered in the order they complete, which is the
+order the runtime launches them in on every rank (DDP's overlap). A parameter reached through
+several get_attr nodes (tied weights) has one slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Hashable, Mapping
 
 from torch import fx
 
-from autoshard.meta import GRAD_BUCKET, FlatSlot, get_shape
+from autoshard.meta import GRAD_BUCKET, SHAPE, FlatSlot, get_shape
 
-from .infra import PassResult
+from .infra import PARAMETERS, Need, Pass, PassResult
 
-__all__ = ["READS", "WRITES", "run"]
-
-READS = ("autoshard.shape",)
-WRITES = (GRAD_BUCKET,)
+__all__ = ["PASS", "assign_slots", "run", "trainable_uses"]
 
 
-def run(gm: fx.GraphModule, bucket_bytes: int, targets: Container[str] | None = None) -> PassResult:
-    """``targets``: bucket only these parameters (by get_attr target); None: every trainable parameter."""
+def trainable_uses(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
+    """Every used trainable parameter (by id) -> its get_attr nodes, in order of first use."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    nodes_of: dict[int, list[fx.Node]] = {}
+    first: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users or not get_shape(node).requires_grad:
+            continue
+        key = id(gm.get_parameter(node.target))
+        nodes_of.setdefault(key, []).append(node)
+        first[key] = min(first.get(key, len(position)), min(position[u] for u in node.users))
+    return {key: nodes_of[key] for key in sorted(first, key=first.__getitem__)}
+
+
+def assign_slots(uses: dict[int, list[fx.Node]], groups: list[list[int]], key: str) -> None:
+    """Write ``key``: group ``i`` holds ``groups[i]``'s parameters one after another, in that order."""
+    for index, members in enumerate(groups):
+        offset = 0
+        for param in members:
+            numel = int(get_shape(uses[param][0]).tensor.numel)
+            for node in uses[param]:
+                node.meta[key] = FlatSlot(group=index, offset=offset, numel=numel)
+            offset += numel
+
+
+def run(gm: fx.GraphModule, bucket_bytes: int, partition: Mapping[str, Hashable] | None = None) -> PassResult:
+    """``partition``: get_attr target -> a key that no bucket mixes (None: one key for all)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    first_use: dict[int, int] = {}
-    nodes_of: dict[int, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        try:
-            param = gm.get_parameter(node.target)
-        except AttributeError:
-            continue
-        if not param.requires_grad or not node.users or (targets is not None and node.target not in targets):
-            continue
-        key = id(param)
-        use = min(position[user] for user in node.users)
-        first_use[key] = min(first_use.get(key, use), use)
-        nodes_of.setdefault(key, []).append(node)
+    uses = trainable_uses(gm)
+    open_buckets: dict[tuple, list[int]] = {}  # (partition key, dtype) -> params of the bucket being filled
+    closed: list[list[int]] = []
+    sizes: dict[int, int] = {}
+    for key in reversed(list(uses)):  # the order gradients become ready in
+        tensor = get_shape(uses[key][0]).tensor
+        sizes[key] = int(tensor.nbytes)
+        kind = ((partition or {}).get(uses[key][0].target), tensor.dtype)
+        bucket = open_buckets.setdefault(kind, [])
+        if bucket and sum(sizes[k] for k in bucket) + sizes[key] > bucket_bytes:
+            closed.append(bucket)
+            bucket = open_buckets[kind] = []
+        bucket.append(key)
+    closed += [b for b in open_buckets.values() if b]
+    ready = {key: i for i, key in enumerate(reversed(list(uses)))}
+    closed.sort(key=lambda b: ready[b[-1]])  # launched in the order they complete
+    assign_slots(uses, closed, GRAD_BUCKET)
+    return PassResult("grad_buckets", False, f"{len(uses)} parameters in {len(closed)} buckets")
 
-    order = sorted(first_use, key=lambda k: -first_use[k])
-    bucket, offset, used_bytes, dtype = 0, 0, 0, None
-    for key in order:
-        tensor = get_shape(nodes_of[key][0]).tensor
-        numel = int(tensor.numel)
-        nbytes = int(tensor.nbytes)
-        if dtype is not None and (tensor.dtype != dtype or used_bytes + nbytes > bucket_bytes) and used_bytes > 0:
-            bucket, offset, used_bytes = bucket + 1, 0, 0
-        dtype = tensor.dtype
-        slot = FlatSlot(group=bucket, offset=offset, numel=numel)
-        for node in nodes_of[key]:
-            node.meta[GRAD_BUCKET] = slot
-        offset += numel
-        used_bytes += nbytes
-    buckets = bucket + 1 if order else 0
-    return PassResult("grad_buckets", False, f"{len(order)} parameters in {buckets} buckets")
+
+PASS = Pass("grad_buckets", reads=(Need(SHAPE, PARAMETERS),), writes=(Need(GRAD_BUCKET, PARAMETERS),), run=run)

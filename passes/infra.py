@@ -1,32 +1,121 @@
-"""What every pass returns, and the checks run between passes."""
+"""Pass records and the one manager that runs them, checking what each pass reads and writes.
+
+A pass is a record: its name, the node.meta keys it reads and writes (each on a scope of nodes), and
+its function. ``run_pass`` checks the reads before the pass runs (a missing key names the pass that
+writes it) and, after it, lints every graph the pass produced and checks that each promised key is
+on every node of its scope, so a pass that forgets a key fails by name (torch.fx's PassBase
+requires/ensures, made declarative).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx
 
-__all__ = ["PassResult", "check_graph"]
+from autoshard.errors import MissingMetaError
+from autoshard.meta import PRODUCERS, SHAPE
+
+__all__ = [
+    "CALLS",
+    "EVERY_NODE",
+    "PARAMETERS",
+    "Need",
+    "Pass",
+    "PassResult",
+    "Scope",
+    "check_graph",
+    "run_pass",
+]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which nodes of a graph a key must be on."""
+
+    name: str
+    test: Callable[[fx.GraphModule, fx.Node], bool]
+
+
+def _trainable_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "get_attr" and bool(node.users) and SHAPE in node.meta and node.meta[SHAPE].requires_grad
+
+
+EVERY_NODE = Scope("every node but the output", lambda gm, node: node.op != "output")
+CALLS = Scope("every call_function node", lambda gm, node: node.op == "call_function")
+PARAMETERS = Scope("every used trainable parameter (get_attr)", _trainable_parameter)
+
+
+def calls_to(name: str, *functions: Any) -> Scope:
+    """The call_function nodes of ``functions`` (what a transformation inserts)."""
+    targets = set(functions)
+    return Scope(name, lambda gm, node: node.op == "call_function" and node.target in targets)
+
+
+@dataclass(frozen=True)
+class Need:
+    """A node.meta key on a scope of nodes."""
+
+    key: str
+    scope: Scope = EVERY_NODE
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """The outcome of one pass: whether it changed the graph, and one line for the log."""
+    """The outcome of one pass: whether it changed the graph, one line for the log, and what it returns.
+
+    ``value``: the pass's product beyond node.meta (a report, a list of stage graphs);
+    ``graphs``: graphs the pass made, checked for its writes instead of the graph it ran on.
+    """
 
     name: str
     modified: bool
     summary: str
+    value: Any = None
+    graphs: tuple[fx.GraphModule, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.name}: {self.summary}{' (graph changed)' if self.modified else ''}"
 
 
-def check_graph(gm: fx.GraphModule, writes: tuple[str, ...] = ()) -> None:
-    """Lint the graph and check that every node (but the output) carries the keys a pass promised."""
+@dataclass(frozen=True)
+class Pass:
+    """One pass: ``run(gm, *args)`` returns a PassResult; ``reads`` and ``writes`` are checked around it."""
+
+    name: str
+    reads: tuple[Need, ...]
+    writes: tuple[Need, ...]
+    run: Callable[..., PassResult]
+
+
+def _missing(gm: fx.GraphModule, need: Need) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if need.scope.test(gm, n) and need.key not in n.meta), None)
+
+
+def run_pass(p: Pass, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> PassResult:
+    """Run ``p`` on ``gm`` through its contract."""
+    for need in p.reads:
+        node = _missing(gm, need)
+        if node is not None:
+            producer = PRODUCERS.get(need.key, "the pass that writes it")
+            raise MissingMetaError(
+                f"pass {p.name} reads {need.key!r} on {need.scope.name}, but node {node.format_node()} has none; "
+                f"run {producer} on this graph first"
+            )
+    result = p.run(gm, *args, **kwargs)
+    for graph in result.graphs or (gm,):
+        check_graph(graph, p.writes, p.name)
+    return result
+
+
+def check_graph(gm: fx.GraphModule, writes: tuple[Need, ...] = (), pass_name: str = "the last pass") -> None:
+    """Lint the graph and check that every node in each promised scope carries its key."""
     gm.graph.lint()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            continue
-        missing = [key for key in writes if key not in node.meta]
-        if missing:
-            raise AssertionError(f"node {node.format_node()} lacks {missing} after the pass that writes them")
+    for need in writes:
+        node = _missing(gm, need)
+        if node is not None:
+            raise MissingMetaError(
+                f"{pass_name} promised {need.key!r} on {need.scope.name}, but node {node.format_node()} lacks it"
+            )

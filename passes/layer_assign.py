@@ -15,12 +15,9 @@ from torch import fx
 
 from autoshard.meta import LAYER
 
-from .infra import PassResult
+from .infra import CALLS, Need, Pass, PassResult
 
-__all__ = ["MODEL_PREFIX", "READS", "WRITES", "layer_of_path", "run"]
-
-READS = ("nn_module_stack",)
-WRITES = (LAYER,)
+__all__ = ["MODEL_PREFIX", "PASS", "layer_of_path", "run"]
 
 # The capture wrapper holds the user's model as its submodule ``model``.
 MODEL_PREFIX = "model"
@@ -66,3 +63,6 @@ def run(gm: fx.GraphModule) -> PassResult:
         if layer not in layers:
             layers.append(layer)
     return PassResult("layer_assign", False, f"{len(layers)} layers")
+
+
+PASS = Pass("layer_assign", reads=(Need("nn_module_stack", CALLS),), writes=(Need(LAYER),), run=run)

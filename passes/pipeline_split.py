@@ -24,14 +24,11 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from autoshard.errors import PlanError
-from autoshard.meta import STAGE, evaluate_expr, get_cost, get_layer, get_stage
+from autoshard.meta import COST, LAYER, STAGE, evaluate_expr, get_cost, get_layer, get_stage
 
-from .infra import PassResult
+from .infra import Need, Pass, PassResult
 
-__all__ = ["READS", "WRITES", "block_starts", "crossing_values", "run", "split_stages"]
-
-READS = ("autoshard.layer", "autoshard.cost", "autoshard.shape")
-WRITES = (STAGE,)
+__all__ = ["PASS", "block_starts", "crossing_values", "run", "split_stages"]
 
 
 def _is_block(layer: str) -> bool:
@@ -139,3 +136,6 @@ def split_stages(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "output":
             get_stage(node)
     return split_module(gm, gm, lambda node: get_stage(node), keep_original_order=True)
+
+
+PASS = Pass("pipeline_split", reads=(Need(LAYER), Need(COST)), writes=(Need(STAGE),), run=run)

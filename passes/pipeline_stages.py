@@ -29,21 +29,19 @@ Graph inputs (token ids, labels) are the graph's placeholders on every stage tha
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.meta import PIPE, PipeSlot, get_cost, get_shape, get_stage
+from autoshard.meta import COST, LAYER, PIPE, SHAPE, STAGE, NodeShape, PipeSlot, get_cost, get_shape, get_stage
 from autoshard.runtime import pipeline
 from autoshard.runtime.pipeline import StageGraph
 
-from .infra import PassResult
+from .infra import Need, Pass, PassResult, calls_to
 
-__all__ = ["CHANNEL_ATTR", "READS", "WRITES", "StageGraph", "run"]
-
-READS = ("autoshard.stage", "autoshard.shape", "autoshard.cost")
-WRITES = (PIPE,)
+__all__ = ["CHANNEL_ATTR", "PASS", "StageGraph", "run"]
 
 CHANNEL_ATTR = "pipe"
 
@@ -83,10 +81,12 @@ def _crossing_kind(node: fx.Node, memo: dict[fx.Node, bool]) -> str:
     return "recompute" if _free_to_recompute(node, memo) else "send"
 
 
-def run(
-    gm: fx.GraphModule, n_stages: int, channel: torch.nn.Module | None = None
-) -> tuple[list[StageGraph], PassResult]:
-    """Build the stage graphs. ``channel`` becomes each graph's ``pipe`` attribute (the runtime binds its own)."""
+def run(gm: fx.GraphModule, n_stages: int, channel: torch.nn.Module | None = None, returns: str = "loss") -> PassResult:
+    """Build the stage graphs (the value: a list of StageGraph). ``channel`` becomes each graph's ``pipe``
+    attribute (the runtime binds its own). ``returns``: what the last stage returns, "loss" (the training
+    graph's first output) or "outputs" (every output of a forward graph; made earlier, they are sent on)."""
+    if returns not in ("loss", "outputs"):
+        raise ValueError(f"returns={returns!r} must be 'loss' or 'outputs'")
     channel = channel if channel is not None else pipeline.UnboundChannel()
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -101,6 +101,10 @@ def run(
         for arg in node.all_input_nodes:
             if arg in stage_of and stage_of[arg] < stage_of[node]:
                 last_use[arg] = max(last_use.get(arg, -1), stage_of[node])
+    if returns == "outputs":  # the outputs are read on the last stage
+        for arg in output.all_input_nodes:
+            if arg in stage_of and stage_of[arg] < n_stages - 1:
+                last_use[arg] = n_stages - 1
     kinds = {node: _crossing_kind(node, memo) for node in last_use}
     position = {n: i for i, n in enumerate(nodes)}
     sent = sorted((n for n, k in kinds.items() if k == "send"), key=position.__getitem__)
@@ -117,14 +121,14 @@ def run(
                 builder.copy(node)
         for slot, node in enumerate(crossing[s] if s < n_stages - 1 else []):
             builder.send(node, slot)
-        loss = output.args[0][0]
-        stages.append(builder.finish(loss if s == n_stages - 1 else None, crossing[s - 1] if s > 0 else [],
-                                     crossing[s] if s < n_stages - 1 else []))  # fmt: skip
+        result = output.args[0][0] if returns == "loss" else output.args[0]
+        received, sent = crossing[s - 1] if s > 0 else [], crossing[s] if s < n_stages - 1 else []
+        stages.append(builder.finish(result if s == n_stages - 1 else None, received, sent))
     summary = (
         f"{n_stages} stage graphs; {counts['send']} tensor(s) sent across cuts, "
         f"{counts['size']} size(s) and {counts['recompute']} input-only value(s) recomputed instead"
     )
-    return stages, PassResult("pipeline_stages", True, summary)
+    return PassResult("pipeline_stages", True, summary, value=stages, graphs=tuple(s.gm for s in stages))
 
 
 class _StageBuilder:
@@ -138,6 +142,7 @@ class _StageBuilder:
         self.attrs: dict[str, object] = {CHANNEL_ATTR: channel}
         self.used_inputs: list[int] = []
         self.pipe = self.graph.get_attr(CHANNEL_ATTR)
+        self.pipe.meta.update({SHAPE: NodeShape(), LAYER: "(top)"})
 
     def recv(self, node: fx.Node, slot: int) -> None:
         received = self.env[node] = self.graph.call_function(pipeline.recv, (self.pipe, self.stage, slot))
@@ -146,6 +151,7 @@ class _StageBuilder:
 
     def send(self, node: fx.Node, slot: int) -> None:
         sent = self.graph.call_function(pipeline.send, (self.pipe, self.stage, slot, self.env[node]))
+        sent.meta.update({SHAPE: NodeShape(), LAYER: self.env[node].meta.get(LAYER, "(top)")})
         sent.meta[PIPE] = PipeSlot(stage=self.stage, peer=self.stage + 1, slot=slot, direction="send")
         self.counts["send"] += 1
 
@@ -173,8 +179,9 @@ class _StageBuilder:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
         return env[node]
 
-    def finish(self, loss: fx.Node | None, received: list[fx.Node], sent: list[fx.Node]) -> StageGraph:
-        self.graph.output(self.copy(loss) if loss is not None else None)
+    def finish(self, result: Any, received: list[fx.Node], sent: list[fx.Node]) -> StageGraph:
+        """``result``: what the graph returns (a node, a tuple of them, or None)."""
+        self.graph.output(fx.map_arg(result, self.copy))
         self.graph.lint()
         stage_gm = fx.GraphModule(self.attrs, self.graph, class_name=f"Stage{self.stage}")
         targets = tuple(
@@ -189,3 +196,11 @@ class _StageBuilder:
             send=tuple(get_shape(n).tensor for n in sent),
             parameter_targets=targets,
         )
+
+
+PASS = Pass(
+    "pipeline_stages",
+    reads=(Need(STAGE), Need(SHAPE), Need(COST)),
+    writes=(Need(PIPE, calls_to("pipeline recv and send nodes", pipeline.recv, pipeline.send)), Need(SHAPE)),
+    run=run,
+)

@@ -19,12 +19,9 @@ from torch.utils import _pytree as pytree
 
 from autoshard.meta import SHAPE, NodeShape, TensorShape, get_shape
 
-from .infra import PassResult
+from .infra import Need, Pass, PassResult
 
-__all__ = ["READS", "WRITES", "run", "to_expr"]
-
-READS = ("val",)
-WRITES = (SHAPE,)
+__all__ = ["PASS", "run", "to_expr"]
 
 
 def to_expr(size: int | torch.SymInt, rename: Mapping[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
@@ -85,3 +82,6 @@ def run(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None =
                 symbols.update(str(s) for size in t.sizes for s in size.free_symbols)
         node.meta[SHAPE] = shape
     return PassResult("shape_prop", False, f"shapes in symbols {sorted(symbols) or 'none (all static)'}")
+
+
+PASS = Pass("shape_prop", reads=(Need("val"),), writes=(Need(SHAPE),), run=run)

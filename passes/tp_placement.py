@@ -39,16 +39,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoshard.meta import TP, TpPlacement, get_shape
+from autoshard.meta import SHAPE, TP, TpPlacement, get_shape
+from autoshard.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
 from autoshard.placements import Partial, Placement, Replicate, Shard
-from autoshard.sharding_rules import RULES, Decision, RuleInput, matmul_dims, replicate_all, sequence_dim
+from autoshard.sharding_compute_rules import matmul_dims
+from autoshard.sharding_rules import RULES, Decision, RuleInput, replicate_all, sequence_dim
 
-from .infra import PassResult
+from .infra import Need, Pass, PassResult
 
-__all__ = ["READS", "VIEW_OPS", "WRITES", "Redistribution", "TpReport", "run"]
-
-READS = ("autoshard.shape",)
-WRITES = (TP,)
+__all__ = ["PASS", "Redistribution", "TpReport", "run"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -110,7 +109,7 @@ def _indexed_by_input(embedding: fx.Node) -> bool:
     for _ in range(_TRANSPARENT_LIMIT):
         if node.op == "placeholder":
             return True
-        if node.op != "call_function" or node.target not in VIEW_OPS:
+        if node.op != "call_function" or node.target not in SHARD_PRESERVING:
             return False
         node = node.args[0]
     return False
@@ -169,7 +168,8 @@ def _on_sequence_shards(ctx: RuleInput, rule: object, decision: Decision) -> Dec
     again = rule(RuleInput(ctx.node, trial, ctx.degree, True, ctx.example_sizes))
     if any(a in again.want for a in partial):
         return decision
-    return Decision(again.out, {**again.want, **{a: Shard(dim) for a, dim in partial.items()}}, again.note)
+    want = {**again.want, **{a: Shard(dim) for a, dim in partial.items()}}
+    return Decision(again.out, want, again.note, again.bias)
 
 
 def _trainable_matrix(gm: fx.GraphModule, node: object) -> bool:
@@ -263,7 +263,7 @@ class _Search:
                 weight = node.args[dims[1]]
                 ok = isinstance(weight, fx.Node) and weight.target in trial and weight.target not in self.committed
                 return node if ok else None
-            if node.target not in VIEW_OPS:
+            if node.target not in SHARD_PRESERVING:
                 return None
             node, steps = node.args[0], steps + 1
         return None
@@ -364,21 +364,13 @@ class _Search:
         return base
 
 
-# Ops a column shard passes through unchanged (views) and, for pulling linears in, also elementwise.
-VIEW_OPS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-    aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
-    aten.to.dtype, aten.to.dtype_layout, aten.contiguous.default, aten.clone.default,
-}  # fmt: skip
-_TRANSPARENT = VIEW_OPS | {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.cat.default,
-    aten.dropout.default, aten.gelu.default, aten.silu.default, aten.tanh.default, aten.relu.default,
-}  # fmt: skip
+# Ops a column shard passes through unchanged and, for pulling linears in, also elementwise ones.
+_TRANSPARENT = SHARD_PRESERVING | GRAD_PATH_ELEMENTWISE
 
 
 def run(
     gm: fx.GraphModule, degree: int, sequence_parallel: bool = False, example_sizes: dict[str, int] | None = None
-) -> tuple[TpReport, PassResult]:
+) -> PassResult:
     """``example_sizes``: symbol values of the example batch (sequence parallel checks S divides by tp)."""
     report = TpReport(degree, sequence_parallel)
     search = _Search(gm, degree)
@@ -396,10 +388,13 @@ def run(
                 name = str(node.target)
                 report.unruled[name] = report.unruled.get(name, 0) + 1
             node.meta[TP] = TpPlacement(
-                out=prop.out[node], inputs=tuple(inputs.get(a, R) for a in node.all_input_nodes), note=decision.note
+                out=prop.out[node],
+                inputs=tuple(inputs.get(a, R) for a in node.all_input_nodes),
+                note=decision.note,
+                bias=decision.bias,
             )
         else:
-            node.meta[TP] = TpPlacement(out=prop.out[node], inputs=(), note="")
+            node.meta[TP] = TpPlacement(out=prop.out[node], inputs=())
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.users and get_shape(node).requires_grad:
             report.weights[node.target] = prop.out[node]
@@ -413,4 +408,7 @@ def run(
         f"{dict(sorted(kinds.items())) or 'none'}; {sum(report.unruled.values())} nodes of "
         f"{len(report.unruled)} ops without a rule (replicated)"
     )
-    return report, PassResult("tp_placement", False, summary)
+    return PassResult("tp_placement", False, summary, value=report)
+
+
+PASS = Pass("tp_placement", reads=(Need(SHAPE),), writes=(Need(TP),), run=run)

@@ -2,7 +2,8 @@
 
 Reads:  autoshard.tp, autoshard.shape, autoshard.layer
 Writes: autoshard.tp_comm (meta.TpCollective) on every collective it inserts; updates autoshard.shape
-        to local sizes on sharded values (parameters included, so gradient buckets size the shards)
+        to local sizes on sharded values (parameters included, so gradient buckets size the shards);
+        autoshard.layer, autoshard.tp and autoshard.cost (no FLOPs) on the nodes it inserts
 
 After tp_placement has chosen every value's placement, this pass makes the graph compute each
 rank's share. The graph stays the same on every rank: collectives and rank-dependent ops read the
@@ -40,6 +41,8 @@ import torch
 from torch import fx
 
 from autoshard.meta import (
+    BIAS_AFTER_REDUCE,
+    BIAS_SPLIT,
     COST,
     LAYER,
     SHAPE,
@@ -53,17 +56,14 @@ from autoshard.meta import (
     get_shape,
     get_tp,
 )
+from autoshard.ops import RANDOM, SHARD_PRESERVING
 from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.runtime import tp as tp_ops
-from autoshard.sharding_rules import matmul_dims
+from autoshard.sharding_compute_rules import matmul_dims
 
-from .infra import PassResult
-from .tp_placement import VIEW_OPS as _VIEWS
+from .infra import Need, Pass, PassResult, calls_to
 
-__all__ = ["READS", "RUNTIME_ATTR", "WRITES", "collectives_by_layer", "run"]
-
-READS = ("autoshard.tp", "autoshard.shape", "autoshard.layer")
-WRITES = (TP_COMM,)  # also autoshard.cost (zero) and autoshard.shape on the nodes it inserts
+__all__ = ["PASS", "RUNTIME_ATTR", "collectives_by_layer", "run"]
 
 RUNTIME_ATTR = "tp"
 aten = torch.ops.aten
@@ -120,51 +120,34 @@ class _Rewriter:
         if key in self.cache:
             return self.cache[key]
         full = get_shape(source)  # local sizes: a partial value has the full tensor's
-        grad = full.requires_grad
+        slice_bwd = "all_gather" if full.requires_grad else None  # a slice's backward joins the gradient
+        here = consumer.meta.get(LAYER, "(top)")
+        whole, as_dst = f"{consumer.name} reads it whole", f"{consumer.name} reads it as {dst}"
+        # Each step: (op, its extra arguments, placement made, forward and backward collective, layer,
+        # why, shape of the result).
         if isinstance(src, Shard) and dst == R and self.sequence_parallel and self._partial_grad_readers(source):
             # Sequence parallel's entry into a column-parallel region: all-gather forward, and backward
             # one reduce-scatter that both sums the ranks' partial gradients and keeps this rank's part.
-            node = self._insert(
-                source, tp_ops.gather_rs, (source, src.dim), R,
-                TpCollective("all_gather", "reduce_scatter", consumer.meta.get(LAYER, "(top)"),
-                             f"{consumer.name} reads it whole"),
-                self._full_shape(source, src),
-            )  # fmt: skip
+            steps = [(tp_ops.gather_rs, (src.dim,), R, "all_gather", "reduce_scatter", here, whole,
+                      self._full_shape(source, src))]  # fmt: skip
         elif isinstance(src, Shard):  # gather first; then slice if a shard was wanted
-            whole_shape = self._full_shape(source, src)
-            node = self._insert(
-                source, tp_ops.all_gather, (source, src.dim, src.blocks), R,
-                TpCollective("all_gather", None, source.meta.get(LAYER, "(top)"), f"{consumer.name} reads it whole"),
-                whole_shape,
-            )  # fmt: skip
+            gathered = self._full_shape(source, src)
+            steps = [(tp_ops.all_gather, (src.dim, src.blocks), R, "all_gather", None,
+                      source.meta.get(LAYER, "(top)"), whole, gathered)]  # fmt: skip
             if dst != R:
-                node = self._insert(
-                    node, tp_ops.scatter, (node, dst.dim, dst.blocks), dst,
-                    TpCollective(None, "all_gather" if grad else None, consumer.meta.get(LAYER, "(top)"),
-                                 f"{consumer.name} reads it as {dst}"),
-                    _local_shape(whole_shape, dst, self.degree),
-                )  # fmt: skip
+                steps.append((tp_ops.scatter, (dst.dim, dst.blocks), dst, None, slice_bwd, here, as_dst,
+                              _local_shape(gathered, dst, self.degree)))  # fmt: skip
+        elif isinstance(src, Partial) and dst == R:
+            steps = [(tp_ops.all_reduce, (), R, "all_reduce", None, self._origin_layer(source), whole, full)]
         elif isinstance(src, Partial):
-            if dst == R:
-                node = self._insert(
-                    source, tp_ops.all_reduce, (source,), R,
-                    TpCollective("all_reduce", None, self._origin_layer(source), f"{consumer.name} reads it whole"),
-                    full,
-                )  # fmt: skip
-            else:
-                node = self._insert(
-                    source, tp_ops.reduce_scatter, (source, dst.dim), dst,
-                    TpCollective("reduce_scatter", "all_gather", self._origin_layer(source),
-                                 f"{consumer.name} reads it as {dst}"),
-                    _local_shape(full, dst, self.degree),
-                )  # fmt: skip
+            steps = [(tp_ops.reduce_scatter, (dst.dim,), dst, "reduce_scatter", "all_gather",
+                      self._origin_layer(source), as_dst, _local_shape(full, dst, self.degree))]  # fmt: skip
         else:
-            node = self._insert(
-                source, tp_ops.scatter, (source, dst.dim, dst.blocks), dst,
-                TpCollective(None, "all_gather" if grad else None, consumer.meta.get(LAYER, "(top)"),
-                             f"{consumer.name} reads it as {dst}"),
-                _local_shape(full, dst, self.degree),
-            )  # fmt: skip
+            steps = [(tp_ops.scatter, (dst.dim, dst.blocks), dst, None, slice_bwd, here, as_dst,
+                      _local_shape(full, dst, self.degree))]  # fmt: skip
+        node = source
+        for fn, extra, out, forward, backward, layer, why, shape in steps:
+            node = self._insert(node, fn, (node, *extra), out, TpCollective(forward, backward, layer, why), shape)
         self.cache[key] = node
         return node
 
@@ -190,7 +173,7 @@ class _Rewriter:
         if any(not isinstance(p, Replicate) for p in (out if isinstance(out, tuple) else (out,))):
             return True
         return (
-            node.target in _VIEWS
+            node.target in SHARD_PRESERVING
             and bool(node.users)
             and all(self._partial_grad_reader(u, depth + 1) for u in node.users)
         )
@@ -200,7 +183,7 @@ class _Rewriter:
         for _ in range(16):
             if source.target is tp_ops.gather_rs:
                 return True
-            if source.op != "call_function" or source.target not in _VIEWS:
+            if source.op != "call_function" or source.target not in SHARD_PRESERVING:
                 return False
             source = source.args[0]
         return False
@@ -259,6 +242,7 @@ class _Rewriter:
                         sizes[out.dim] = self.graph.call_function(operator.floordiv, (size, degree))
                     sizes[out.dim].meta.update({SHAPE: NodeShape(scalar=get_shape(size).scalar / degree)})
                     sizes[out.dim].meta[LAYER] = node.meta.get(LAYER, "(top)")
+                    sizes[out.dim].meta[TP] = TpPlacement(out=R, inputs=(R,))
                 node.args = (node.args[0], sizes, *node.args[2:])
         elif target in (aten.split.Tensor, aten.split_with_sizes.default):
             source_placement = record.inputs[0]
@@ -277,12 +261,12 @@ class _Rewriter:
             ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
             node.target = tp_ops.vocab_parallel_cross_entropy
             node.args, node.kwargs = (self.tp, node.args[0], node.args[1], reduction, ignore), {}
-        elif target in _RANDOM and self._draws_on_shards(node):
+        elif target in RANDOM and self._draws_on_shards(node):
             node.target = tp_ops.sharded_random
             node.args = (self.tp, target, *node.args)
-        elif matmul_dims(target) and record.note == "row-parallel, bias added after the all-reduce":
+        elif matmul_dims(target) and record.bias == BIAS_AFTER_REDUCE:
             self.bias_after_reduce(node)
-        elif matmul_dims(target) and record.note == "row-parallel, bias split over the ranks":
+        elif matmul_dims(target) and record.bias == BIAS_SPLIT:
             index = 0 if target == aten.addmm.default else 2
             bias = node.args[index] if len(node.args) > index else node.kwargs["bias"]
             with self.graph.inserting_before(node):
@@ -338,13 +322,6 @@ class _Rewriter:
         )
 
 
-# Ops that draw random numbers: on sharded values each rank must draw its own.
-_RANDOM = {
-    aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
-    aten.rand_like.default, aten.randn_like.default, aten.scaled_dot_product_attention.default,
-}  # fmt: skip
-
-
 def collectives_by_layer(gm: fx.GraphModule) -> dict[str, dict[str, int]]:
     """The collectives this pass inserted, per layer: ``"<op> fwd"`` / ``"<op> bwd"`` -> how many."""
     out: dict[str, dict[str, int]] = {}
@@ -359,8 +336,8 @@ def collectives_by_layer(gm: fx.GraphModule) -> dict[str, dict[str, int]]:
     return out
 
 
-def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tuple[tuple[str, ...], PassResult]:
-    """Returns the replicated weights whose gradients are partial on each rank (sum them over tp after backward)."""
+def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> PassResult:
+    """Its value: the replicated weights whose gradients are partial on each rank (summed over tp after backward)."""
     gm.add_submodule(RUNTIME_ATTR, tp_ops.UnboundTensorParallel(degree))
     rewriter = _Rewriter(gm, degree, sequence_parallel)
     rewriter.run()
@@ -377,4 +354,16 @@ def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> tup
     summary = f"{inserted} collectives inserted: {dict(sorted(totals.items())) or 'none'}"
     if rewriter.partial_grad_params:
         summary += f"; {len(rewriter.partial_grad_params)} replicated weights' gradients summed over tp after backward"
-    return tuple(sorted(rewriter.partial_grad_params)), PassResult("tp_rewrite", True, summary)
+    return PassResult("tp_rewrite", True, summary, value=tuple(sorted(rewriter.partial_grad_params)))
+
+
+# The collectives that always communicate (a slice communicates only in backward, when it needs a gradient).
+_COMMUNICATING = calls_to(
+    "tp collective nodes", tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.reduce_scatter, tp_ops.gather_rs
+)
+PASS = Pass(
+    "tp_rewrite",
+    reads=(Need(TP), Need(SHAPE), Need(LAYER)),
+    writes=(Need(TP_COMM, _COMMUNICATING), Need(SHAPE), Need(LAYER), Need(TP), Need(COST)),
+    run=run,
+)

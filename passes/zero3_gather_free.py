@@ -29,16 +29,13 @@ import operator
 
 from torch import fx
 
-from autoshard.meta import ZERO3, ZERO_GROUP, Zero3Gather, get_shape, get_zero_group
+from autoshard.meta import LAYER, SHAPE, ZERO3, ZERO_GROUP, NodeShape, Zero3Gather, get_shape, get_zero_group
+from autoshard.ops import ALIASING, packet
 from autoshard.runtime import zero
 
-from .cost_model import VIEW_OPS
-from .infra import PassResult
+from .infra import PARAMETERS, Need, Pass, PassResult, calls_to
 
-__all__ = ["READS", "RUNTIME_ATTR", "WRITES", "run"]
-
-READS = ("autoshard.zero_group", "autoshard.shape")
-WRITES = (ZERO3,)
+__all__ = ["PASS", "RUNTIME_ATTR", "run"]
 
 RUNTIME_ATTR = "zero3"
 
@@ -47,8 +44,7 @@ def _consumers(node: fx.Node) -> list[fx.Node]:
     """Ops that read ``node``'s data, looking through views of it."""
     out: list[fx.Node] = []
     for user in node.users:
-        packet = getattr(user.target, "overloadpacket", None)
-        if user.op == "call_function" and packet in VIEW_OPS:
+        if user.op == "call_function" and packet(user.target) in ALIASING:
             out.extend(_consumers(user))
         elif user.op != "output":
             out.append(user)
@@ -81,6 +77,7 @@ def run(gm: fx.GraphModule) -> PassResult:
     gm.add_submodule(RUNTIME_ATTR, zero.UnboundZero3Runtime())
     with graph.inserting_before(first_compute):
         runtime = graph.get_attr(RUNTIME_ATTR)
+    runtime.meta.update({SHAPE: NodeShape(), LAYER: "(top)"})
     inserted = 0
     for group in sorted(by_group):
         params = sorted(by_group[group].items(), key=lambda item: slots[item[0]].offset)
@@ -88,6 +85,8 @@ def run(gm: fx.GraphModule) -> PassResult:
         first_use = min(uses, key=position.__getitem__)
         with graph.inserting_before(first_use):
             gathered = graph.call_function(zero.gather, (runtime, group))
+            gathered.meta[SHAPE] = NodeShape(tensors=tuple(get_shape(nodes[0]).tensor for _, nodes in params))
+            gathered.meta[LAYER] = params[0][1][0].meta.get(LAYER, "(top)")
             gathered.meta[ZERO3] = Zero3Gather(
                 group=group,
                 targets=tuple(nodes[0].target for _, nodes in params),
@@ -121,3 +120,11 @@ def run(gm: fx.GraphModule) -> PassResult:
     return PassResult(
         "zero3_gather_free", True, f"{len(by_group)} groups gathered and freed, {inserted} nodes inserted"
     )
+
+
+PASS = Pass(
+    "zero3_gather_free",
+    reads=(Need(ZERO_GROUP, PARAMETERS), Need(SHAPE)),
+    writes=(Need(ZERO3, calls_to("ZeRO-3 gather nodes", zero.gather)),),
+    run=run,
+)

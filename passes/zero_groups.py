@@ -5,54 +5,40 @@ Writes: autoshard.zero_group (meta.FlatSlot) on the get_attr nodes of trainable 
 
 Groups are numbered in order of first use in forward, so "the next group" is the one to prefetch
 in forward and "the previous group" the one to prefetch in backward. A parameter reached through
-several get_attr nodes (tied weights) belongs to the group of its first use.
+several get_attr nodes (tied weights) belongs to the group of its first use. A group holds one dtype
+and one ``partition`` key (the compiler's: the pipeline stages that read a parameter and the user's
+optimizer group), so a layer whose parameters differ there becomes several groups.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
 from torch import fx
 
-from autoshard.meta import ZERO_GROUP, FlatSlot, get_layer, get_shape
+from autoshard.meta import LAYER, SHAPE, ZERO_GROUP, get_layer, get_shape
 
-from .infra import PassResult
+from .grad_buckets import assign_slots, trainable_uses
+from .infra import PARAMETERS, Need, Pass, PassResult
 
-__all__ = ["READS", "WRITES", "run"]
-
-READS = ("autoshard.layer", "autoshard.shape")
-WRITES = (ZERO_GROUP,)
+__all__ = ["PASS", "run"]
 
 
-def run(gm: fx.GraphModule) -> PassResult:
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    first_use: dict[int, int] = {}
-    layer_of: dict[int, str] = {}
-    nodes_of: dict[int, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or not node.users:
-            continue
-        try:
-            param = gm.get_parameter(node.target)
-        except AttributeError:
-            continue
-        if not param.requires_grad:
-            continue
-        key = id(param)
-        use = min(position[user] for user in node.users)
-        if key not in first_use or use < first_use[key]:
-            first_use[key] = use
-            layer_of[key] = get_layer(node)
-        nodes_of.setdefault(key, []).append(node)
+def run(gm: fx.GraphModule, partition: Mapping[str, Hashable] | None = None) -> PassResult:
+    """``partition``: get_attr target -> a key that no group mixes (None: one key for all)."""
+    groups: dict[tuple, list[int]] = {}  # (layer, partition key, dtype) -> params in order of first use
+    uses = trainable_uses(gm)
+    for key, nodes in uses.items():
+        first = nodes[0]
+        kind = (get_layer(first), (partition or {}).get(first.target), get_shape(first).tensor.dtype)
+        groups.setdefault(kind, []).append(key)
+    assign_slots(uses, list(groups.values()), ZERO_GROUP)  # dicts keep insertion order: first use
+    return PassResult("zero_groups", False, f"{len(uses)} parameters in {len(groups)} gather groups")
 
-    layer_first: dict[str, int] = {}
-    for key, use in first_use.items():
-        layer_first[layer_of[key]] = min(layer_first.get(layer_of[key], use), use)
-    group_of_layer = {layer: g for g, layer in enumerate(sorted(layer_first, key=layer_first.get))}
-    offsets = [0] * len(group_of_layer)
-    for key in sorted(first_use, key=first_use.get):
-        group = group_of_layer[layer_of[key]]
-        numel = int(get_shape(nodes_of[key][0]).tensor.numel)
-        slot = FlatSlot(group=group, offset=offsets[group], numel=numel)
-        for node in nodes_of[key]:
-            node.meta[ZERO_GROUP] = slot
-        offsets[group] += numel
-    return PassResult("zero_groups", False, f"{len(first_use)} parameters in {len(group_of_layer)} gather groups")
+
+PASS = Pass(
+    "zero_groups",
+    reads=(Need(SHAPE, PARAMETERS), Need(LAYER, PARAMETERS)),
+    writes=(Need(ZERO_GROUP, PARAMETERS),),
+    run=run,
+)

@@ -37,15 +37,16 @@ class Case:
 
 
 class MLP(nn.Module):
-    def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 4)) -> None:
+    def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 4), batchnorm: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.norms = nn.ModuleList(nn.BatchNorm1d(b) if batchnorm else nn.Identity() for b in sizes[1:-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
-                x = F.gelu(x)
+                x = F.gelu(self.norms[i](x))
         return x
 
 
@@ -56,7 +57,7 @@ def cross_entropy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     torch.manual_seed(seed)
     if family == "mlp":
-        return MLP(tuple(shape.get("sizes", (16, 32, 32, 4))))
+        return MLP(tuple(shape.get("sizes", (16, 32, 32, 4))), shape.get("batchnorm", False))
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -214,10 +215,10 @@ def train_distributed(
 
 
 def train_local_batches(
-    program: autoshard.Program, case: Case, norms: list[float | None] | None = None
+    program: autoshard.Program, case: Case, norms: list[float | None] | None = None, after_step: Any = None
 ) -> tuple[list[float], list[dict[str, int]]]:
     """Step through the case's global batches, each rank on its slice; losses and comm volume per step
-    (and into ``norms`` each step's gradient norm before clipping)."""
+    (and into ``norms`` each step's gradient norm before clipping; ``after_step()`` after each)."""
     losses, volumes = [], []
     for batch in case.batches:
         local = program.local_batch
@@ -229,6 +230,8 @@ def train_local_batches(
         volumes.append(dict(program.comm.volume_bytes))
         if norms is not None:
             norms.append(program.last_grad_norm)
+        if after_step is not None:
+            after_step()
     return losses, volumes
 
 
@@ -250,18 +253,18 @@ def overlap_probe(rank: int, world_size: int, family: str) -> dict[str, int]:
     local = program.local_batch
     kwargs = {k: local(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
     target = None if batch.target is None else local(batch.target)
-    sync = program._ensure_trainer().sync
+    holder = program.runtime.holder
     seen: dict[str, int] = {}
-    finish = sync.finish
+    end = holder.end
 
-    def finish_and_count() -> None:
-        seen["launched_during_backward"] = sum(b.work is not None for b in sync.buckets)
-        finish()
+    def end_and_count() -> None:
+        seen["launched_during_backward"] = len(holder.works)
+        end()
 
-    sync.finish = finish_and_count
+    holder.end = end_and_count
     program.comm.reset()
     program.step(*(local(x) for x in batch.inputs), target=target, **kwargs)
-    seen["buckets"] = len(sync.buckets)
+    seen["buckets"] = len(holder.order)
     seen["bytes_reduced"] = program.comm.volume_bytes["all_reduce"] // 2  # volume counts an all-reduce twice
     seen["param_bytes"] = sum(p.numel() * p.element_size() for p in program.parameters())
     return seen
@@ -297,7 +300,7 @@ def train_zero(
     program = compile_case(case, autoshard.Mesh(dp=world_size), plan=plan, optimizer=optimizer)
     norms: list[float | None] = []
     losses, volumes = train_local_batches(program, case, norms)
-    zero3 = program._zero3
+    zero3 = program.runtime.holder.runtime if program.plan.zero == 3 else None
     return {
         "losses": losses,
         "state": program.full_state_dict(),
@@ -305,7 +308,7 @@ def train_zero(
         "volumes": volumes,
         "param_bytes": program.cost.param_bytes,
         "peak_gathered": zero3.peak_gathered_bytes if zero3 is not None else None,
-        "group_bytes": [lay.padded * 4 for lay in zero3.layouts] if zero3 is not None else None,
+        "group_bytes": [lay.padded * 4 for lay in zero3.layouts.values()] if zero3 is not None else None,
         "graph": program.graph_modules[0].code,
         "grad_norms": norms,
     }
@@ -347,12 +350,15 @@ def pipeline_state_roundtrip(rank: int, world_size: int) -> dict[str, Any]:
     dist_broadcast_object(everything, start)
     program.load_state_dict(everything[0])
     restored = all(torch.equal(held[k], v) for k, v in program.state_dict().items())
-    try:
-        program(*batch.inputs)
-        forward = ""
-    except autoshard.DistributedError as err:
-        forward = str(err)
-    return {"changed": changed, "restored": restored, "held": sorted(held), "forward": forward}
+    logits = program(*batch.inputs, labels=batch.kwargs["labels"]).logits
+    expected = build_case("gpt2").model(*batch.inputs, labels=batch.kwargs["labels"]).logits
+    return {
+        "changed": changed,
+        "restored": restored,
+        "held": sorted(held),
+        "logits_shape": tuple(logits.shape),
+        "logits_error": (logits - expected).abs().max().item(),
+    }
 
 
 def dist_broadcast_object(box: list[Any], value: Any) -> None:
@@ -432,7 +438,7 @@ def tp_dropout_probe(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
         if str(program.for_rank(rank).placements.get(k, {}).get("tp", "R")) == "R"
     }
     shared = torch.rand(4)
-    with program._tp.rank_stream(torch.device("cpu")):
+    with program.runtime.tp.rank_stream(torch.device("cpu")):
         own = torch.rand(4)
     return {"losses": losses, "replicated": replicated, "shared": shared, "own": own,
             "graph": program.graph_modules[0].code}  # fmt: skip
@@ -460,4 +466,83 @@ def tp_state_and_forward(rank: int, world_size: int) -> dict[str, Any]:
         "start_matches_model": all(torch.equal(start[k], v) for k, v in reference.state_dict().items()),
         "logits_shape": tuple(logits.shape),
         "logits_error": (logits - expected).abs().max().item(),
+    }
+
+
+def grouped_adamw(params: Any) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (none on norms and biases): two parameter groups."""
+    params = list(params)
+    matrices = [p for p in params if p.dim() >= 2]
+    others = [p for p in params if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)
+
+
+def decaying_lr(step: int) -> float:
+    return 1.0 / (1.0 + step)
+
+
+def train_single_device_scheduled(family: str, steps: int = 3, **shape: Any) -> tuple[list[float], dict, list]:
+    """The reference for parameter groups: grouped AdamW and a LambdaLR schedule on one device."""
+    case = build_case(family, steps, **shape)
+    opt = grouped_adamw(case.model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, decaying_lr)
+    losses = []
+    for batch in case.batches:
+        opt.zero_grad()
+        loss = _loss(case, batch)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        losses.append(loss.item())
+    lrs = [g["lr"] for g in opt.param_groups]
+    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}, lrs
+
+
+def train_plan(
+    rank: int,
+    world_size: int,
+    family: str,
+    mesh: dict[str, int],
+    plan: dict[str, Any],
+    steps: int = 3,
+    optimizer: Any = None,
+    lr_schedule: bool = False,
+    **shape: Any,
+) -> dict[str, Any]:
+    """One rank of any plan: losses, consolidated state, gradient norms; with ``lr_schedule`` a LambdaLR
+    steps ``program.optimizer`` after every step, as a user would."""
+    case = build_case(family, steps, **shape)
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan, optimizer=optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(program.optimizer, decaying_lr) if lr_schedule else None
+    norms: list[float | None] = []
+    losses, _ = train_local_batches(program, case, norms, schedule.step if schedule else None)
+    groups = [{k: v for k, v in g.items() if k in ("lr", "weight_decay")} for g in program.optimizer.param_groups]
+    return {
+        "losses": losses,
+        "state": program.full_state_dict(),
+        "grad_norms": norms,
+        "param_groups": groups,
+        "memory": program.last_step_memory,
+    }
+
+
+def eval_logits(rank: int, world_size: int, family: str, mesh: dict[str, int], plan: dict[str, Any], **shape: Any):
+    """Logits of the compiled program in eval and in training mode, and the model's own in eval mode."""
+    case = build_case(family, **shape)
+    reference = build_case(family, **shape).model.eval()
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
+    batch = case.batches[0]
+    kwargs = {k: program.local_batch(v) for k, v in _tensor_kwargs(batch.kwargs).items()}
+    ids = program.local_batch(batch.inputs[0])
+    state_before = program.full_state_dict()
+    evaluated = program.eval()(ids, **kwargs)
+    state_after = program.full_state_dict()
+    trained = program.train()(ids, **kwargs)
+    expected = reference(ids, **kwargs, **{k: v for k, v in batch.kwargs.items() if not isinstance(v, torch.Tensor)})
+    logits = (lambda out: out.logits) if family != "mlp" else (lambda out: out)
+    return {
+        "eval_error": (logits(evaluated) - logits(expected)).abs().max().item(),
+        "train_differs": not torch.allclose(logits(trained), logits(expected)),
+        "state_unchanged": all(torch.equal(state_before[k], v) for k, v in state_after.items()),
     }

@@ -103,7 +103,7 @@ def test_a_dropped_program_is_freed() -> None:
     batch = case.batches[0]
     program = autoshard.compile(case.model, 1, batch.inputs, batch.kwargs, optimizer=torch.optim.SGD)
     program.step(*batch.inputs, labels=batch.kwargs["labels"])
-    trainer = weakref.ref(program._trainer)
+    trainer = weakref.ref(program.runtime.holder)
     del program
     gc.collect()
     assert trainer() is None  # gradient hooks on the model's parameters do not keep it alive

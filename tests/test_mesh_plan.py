@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -86,26 +87,13 @@ def test_plan_validation_messages() -> None:
         Plan.check_overrides({"dpp": 2})
 
 
-def test_plan_says_what_is_not_implemented() -> None:
-    plan = Plan(dp=2, tp=2, pp=2, zero=3)
-    assert plan.not_implemented() == [
-        "tensor parallelism with ZeRO-3 and pp (tp=2)",
-        "ZeRO-3 with pipeline parallelism (zero=3, pp=2)",
-    ]
-    msg = (
-        "Plan(dp=2, tp=2, pp=2, zero=3, schedule=1f1b, microbatches=1, bucket=25MiB) asks for tensor parallelism "
-        "with ZeRO-3 and pp (tp=2), ZeRO-3 with pipeline parallelism (zero=3, pp=2), which this version of "
-        "autoshard does not implement yet; it implements data parallelism, ZeRO, pipeline parallelism (with "
-        "zero <= 2) and tensor parallelism (with dp and pp, and with ZeRO-1/2 without pp): use tp=1 or zero<=2 "
-        "without pp; zero=0 or pp=1"
-    )
-    with pytest.raises(PlanError, match=re.escape(msg)):
-        plan.check_implemented()
-    Plan(dp=2, pp=2, microbatches=4).check_implemented()
-    Plan(dp=2, tp=2).check_implemented()
-    Plan(dp=2, tp=2, zero=2).check_implemented()
-    Plan(dp=2, tp=2, pp=2, microbatches=2).check_implemented()
-    Plan(dp=4, zero=3, offload=True).check_implemented()
+def test_every_combination_is_a_plan() -> None:
+    for zero in (0, 1, 2, 3):
+        for mesh in ({"dp": 2, "tp": 2, "pp": 2}, {"dp": 8}, {"tp": 2, "pp": 4}):
+            if zero and mesh.get("dp", 1) == 1:
+                continue
+            Plan(**mesh, zero=zero, microbatches=2, sequence_parallel=mesh.get("tp", 1) > 1)
+    Plan(dp=2, tp=2, pp=2, zero=3, offload=True, param_dtype=torch.bfloat16, schedule="gpipe")
     with pytest.raises(PlanError, match=re.escape("offload=True keeps ZeRO's optimizer shards on the CPU: it needs")):
         Plan(dp=4, offload=True)
 

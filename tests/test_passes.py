@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -123,7 +124,7 @@ def test_tied_weights_share_one_gradient_slot() -> None:
     case = build_case("gpt2")
     captured = capture(case.model, case.batches[0].inputs, case.batches[0].kwargs)
     passes.analyze(captured.gm, captured.rename)
-    passes.grad_buckets.run(captured.gm, bucket_bytes=2**20)
+    passes.run_pass(passes.grad_buckets.PASS, captured.gm, 2**20)
     slots = _bucket_slots(captured.gm)
     trainable = {id(p) for p in case.model.parameters()}
     assert set(slots) == trainable  # every parameter exactly once, the tied wte/lm_head included
@@ -139,7 +140,7 @@ def test_buckets_partition_parameters_in_reverse_use_order(widths: list[int], bu
     x = torch.randn(4, widths[0])
     captured = capture(model, (x,), None, lambda out, t: (out - t).pow(2).mean(), torch.randn(4, widths[-1]))
     passes.analyze(captured.gm, captured.rename)
-    passes.grad_buckets.run(captured.gm, bucket_bytes)
+    passes.run_pass(passes.grad_buckets.PASS, captured.gm, bucket_bytes)
     slots = _bucket_slots(captured.gm)
     assert len(slots) == len(list(model.parameters()))
     by_bucket: dict[int, list] = {}
@@ -159,12 +160,26 @@ def test_buckets_partition_parameters_in_reverse_use_order(widths: list[int], bu
         assert max(deep) <= min(shallow)
 
 
-def test_analysis_passes_declare_what_they_read_and_write() -> None:
-    for module in (*passes.ANALYSES, passes.grad_buckets):
-        assert isinstance(module.READS, tuple) and isinstance(module.WRITES, tuple)
-        for key in module.WRITES:
-            assert key.startswith("autoshard.")
-            assert key in module.__doc__ or key.split(".")[1] in module.__doc__
+def test_every_pass_declares_and_is_checked_on_its_reads_and_writes() -> None:
+    for p in passes.ALL:
+        assert p.reads and p.writes, p.name
+        module = getattr(passes, p.name)
+        for need in p.writes:  # the module's docstring documents what it writes
+            assert need.key.split(".")[-1] in module.__doc__, (p.name, need.key)
+    case = build_case("mlp")
+    captured = capture(case.model, case.batches[0].inputs, None, case.loss_fn, case.batches[0].target)
+    # A read that no pass wrote names the pass to run.
+    with pytest.raises(
+        autoshard.MissingMetaError, match=r"pass cost_model reads 'autoshard.shape' .* run passes.shape_prop"
+    ):
+        passes.run_pass(passes.cost_model.PASS, captured.gm)
+    passes.analyze(captured.gm, captured.rename)
+    # A pass that forgets a key it promised fails by name.
+    forgetful = dataclasses.replace(
+        passes.grad_buckets.PASS, name="forgetful", run=lambda gm: passes.PassResult("forgetful", False, "nothing")
+    )
+    with pytest.raises(autoshard.MissingMetaError, match="forgetful promised 'autoshard.grad_bucket' on every used"):
+        passes.run_pass(forgetful, captured.gm)
 
 
 def test_summarize_totals_equal_sum_of_layers(gpt2_small) -> None:

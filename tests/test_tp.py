@@ -29,9 +29,10 @@ HIDDEN = 32
 
 
 # A row-parallel linear sums each output over tp partial products (split-K), so sums run in another
-# order than on one device; after 3 AdamW steps one GPT-2 element in 4096 lands 1.2e-6 away. The
-# floor is 0.2% of one step at lr=1e-3; the relative tolerance stays 1e-5.
-TP_ATOL = 2e-6
+# order than on one device; after 3 AdamW steps one GPT-2 element in 4096 lands 1.2e-6 away, and one
+# Llama element in 1024 (GQA at tp=4, a gradient near zero that Adam normalizes) 2.34e-6. The floor is
+# 0.3% of one step at lr=1e-3; the relative tolerance stays 1e-5.
+TP_ATOL = 3e-6
 
 
 def assert_state_close(actual: dict, expected: dict) -> None:

@@ -28,19 +28,14 @@ from torch import fx, nn
 
 from autoshard.errors import DistributedError, InputError
 from autoshard.meta import TensorShape, evaluate_expr
-from autoshard.runtime.optim import clip_by_global_norm, optimizer_state_bytes
 from autoshard.schedules import Action, Schedule
 
 __all__ = [
     "PipelineChannel",
     "PipelineRunner",
     "PipelineStats",
-    "PipelineTrainer",
     "StageGraph",
-    "TiedGroup",
     "UnboundChannel",
-    "ZeroPipelineTrainer",
-    "gradient_owners",
     "recv",
     "send",
     "size",
@@ -169,13 +164,15 @@ class PipelineRunner:
         group: dist.ProcessGroup | None,
         max_slots: int,
         comm: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
         ``max_slots``: the most tensors crossing any one cut (the same on every rank: tags derive from it).
-        ``comm``: a CommCounter that records the bytes sent.
+        ``comm``: a CommCounter that records the bytes sent; ``device``: where received tensors live.
         """
         self.comm = comm
+        self.device = device or torch.device("cpu")
         self.stages = stages
         self.schedule = schedule
         self.actions = schedule.ranks[pp_rank]
@@ -232,9 +229,11 @@ class PipelineRunner:
     def _tag(self, boundary: int, backward: bool, microbatch: int, slot: int) -> int:
         return ((boundary * 2 + backward) * self.microbatches + microbatch) * self.max_slots + slot
 
-    def _post(self, action: Action, sizes: dict[str, int]) -> _Posted | None:
+    def _post(
+        self, action: Action, sizes: dict[str, int], stages: dict[int, StageGraph] | None = None
+    ) -> _Posted | None:
         """Post the receives an action needs: activations for F, gradients of sent tensors for B."""
-        io = self.stages[action.stage]
+        io = (stages or self.stages)[action.stage]
         if action.kind == "F":
             if action.stage == 0:
                 return None
@@ -244,7 +243,7 @@ class PipelineRunner:
                 return None
             shapes = tuple(s for s in io.send if s.requires_grad)
             src, boundary = self.peer(action.stage + 1), action.stage
-        posted = _Posted([torch.empty(self._concrete(s, sizes), dtype=s.dtype) for s in shapes])
+        posted = _Posted([torch.empty(self._concrete(s, sizes), dtype=s.dtype, device=self.device) for s in shapes])
         for slot, buffer in enumerate(posted.buffers):
             tag = self._tag(boundary, action.kind == "B", action.microbatch, slot)
             posted.works.append(dist.irecv(buffer, src=src, group=self.group, tag=tag))
@@ -263,6 +262,19 @@ class PipelineRunner:
             if self.comm is not None:
                 self.comm.count("send", tensor.numel() * tensor.element_size())
             self._sends.append(dist.isend(tensor.detach().contiguous(), dst=dst, group=self.group, tag=tag))
+
+    def _run_stage(self, io: StageGraph, received: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[Any, list]:
+        """Run a stage graph on received boundary tensors; returns its output and the tensors it sends."""
+        self.channel.inputs, self.channel.outputs = received, {}
+        out = io.gm(*(inputs[j] for j in io.input_indices))
+        sent = [self.channel.outputs[slot] for slot in range(len(io.send))]
+        self.channel.inputs, self.channel.outputs = [], {}
+        return out, sent
+
+    def _wait_sends(self) -> None:
+        for work in self._sends:
+            work.wait()
+        self._sends = []
 
     # -- one step -----------------------------------------------------------------------------
     def run(self, flat: list[torch.Tensor], before_final_backward: Callable[[int], None]) -> torch.Tensor | None:
@@ -284,10 +296,7 @@ class PipelineRunner:
             if action.kind == "F":
                 for tensor, shape in zip(received, io.recv):
                     tensor.requires_grad_(shape.requires_grad)
-                self.channel.inputs, self.channel.outputs = received, {}
-                loss = io.gm(*(per_mb[action.microbatch][j] for j in io.input_indices))
-                outputs = [self.channel.outputs[slot] for slot in range(len(io.send))]
-                self.channel.inputs, self.channel.outputs = [], {}
+                loss, outputs = self._run_stage(io, received, per_mb[action.microbatch])
                 if action.stage < self.n_stages - 1:
                     self._send(outputs, action.stage + 1, action.stage, False, action.microbatch)
                 else:
@@ -317,139 +326,24 @@ class PipelineRunner:
                     ]
                     self._send(grads, action.stage - 1, action.stage - 1, True, action.microbatch)
             stats.busy_seconds += time.perf_counter() - began
-        for work in self._sends:
-            work.wait()
-        self._sends = []
+        self._wait_sends()
         stats.step_seconds = time.perf_counter() - start
         self.stats = stats
         return loss_sum
 
-
-# ---- training -----------------------------------------------------------------------------------
-@dataclass
-class TiedGroup:
-    """Copies of one set of parameters on several pipeline ranks: their gradients are summed."""
-
-    group: dist.ProcessGroup
-    params: list[nn.Parameter]
-
-
-class PipelineTrainer:
-    """One step of a pipeline rank: the schedule, then data-parallel and tied-weight gradient sums, then the update.
-
-    With dp > 1 each local stage's parameters have their own bucketed data-parallel sync, armed just
-    before that stage's last backward, so the all-reduces overlap the rest of the schedule and see the
-    gradients of every microbatch. ``syncs`` is empty without data parallelism.
-    """
-
-    def __init__(
-        self,
-        runner: PipelineRunner,
-        syncs: dict[int, Any],
-        optimizer: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-        tied: list[TiedGroup],
-        norm_params: list[nn.Parameter],
-        sum_over_model: Callable[[torch.Tensor], Any],
-        comm: Any,
-    ) -> None:
-        """``norm_params``: this rank's parameters that count in the global gradient norm (a tied copy once);
-        ``sum_over_model``: sums a tensor over the ranks holding other parts of the model (pp, and tp)."""
-        self.runner = runner
-        self.syncs = syncs
-        self._optimizer = optimizer
-        self.params = params
-        self.tied = tied
-        self.norm_params = norm_params
-        self.sum_over_model = sum_over_model
-        self.last_grad_norm: torch.Tensor | None = None  # before clipping, when the step clipped
-        self.comm = comm
-
-    def run(self, flat: list[torch.Tensor]) -> torch.Tensor | None:
-        """The schedule and the gradient sums; returns the last stage's sum of microbatch losses (else None)."""
-        for sync in self.syncs.values():
-            sync.prepare(armed=False)
-        if not self.syncs:  # no data parallelism: autograd allocates the gradients, no buffer to zero
-            for param in self.params:
-                param.grad = None
-        loss_sum = self.runner.run(flat, self._arm)
-        for sync in self.syncs.values():
-            sync.finish()
-        for tie in self.tied:
-            for param in tie.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                self.comm.all_reduce(param.grad, group=tie.group)
-        return loss_sum
-
-    def _arm(self, stage: int) -> None:
-        """Before ``stage``'s last backward: from now on its gradients are complete when they arrive."""
-        if stage in self.syncs:
-            self.syncs[stage].launcher.reset()
-
-    def update(self, max_grad_norm: float | None) -> None:
-        if max_grad_norm is not None:
-            self._clip(max_grad_norm)
-        self._optimizer.step()
-
-    def _clip(self, max_norm: float) -> None:
-        """Clip to the global norm over all stages (dp replicas hold identical gradients after the sync)."""
-        counted = [p.grad for p in self.norm_params if p.grad is not None]
-        scaled = [p.grad for p in self.params if p.grad is not None]
-        self.last_grad_norm = clip_by_global_norm(counted, scaled, max_norm, self.sum_over_model)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer
-
-    def memory(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for p in self.params)
-        grads = sum(b.buffer.numel() * b.buffer.element_size() for s in self.syncs.values() for b in s.buckets)
-        if not self.syncs:
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        return {"parameters": params, "gradients": grads, "optimizer": optimizer_state_bytes(self.optimizer)}
-
-
-class ZeroPipelineTrainer(PipelineTrainer):
-    """Pipeline with ZeRO-1/2 over dp: each local stage's ZeroDataParallel shards its optimizer state
-    (and with stage 2 its gradients); reduce-scatters are armed like the buckets above."""
-
-    def __init__(self, runner: PipelineRunner, syncs: dict[int, Any], params: list[nn.Parameter]) -> None:
-        super().__init__(runner, syncs, None, params, [], [], None, None)  # ties are refused at compile
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return next(iter(self.syncs.values())).optimizer  # the first local stage's (one stage without interleaving)
-
-    def update(self, max_grad_norm: float | None) -> None:
-        if max_grad_norm is not None:
-            # The global norm over every stage's shards: a sum over all dp and pp ranks (tp = 1).
-            grads = [m.grad for sync in self.syncs.values() for m in sync.shard_opt.masters if m.grad is not None]
-            self.last_grad_norm = clip_by_global_norm(grads, grads, max_grad_norm, dist.all_reduce)
-        for sync in self.syncs.values():
-            sync.step(None)
-
-    def memory(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for sync in self.syncs.values():
-            for key, value in sync.memory().items():
-                total[key] = total.get(key, 0) + value
-        return total
-
-
-def gradient_owners(schedule: Schedule, stage_params: dict[int, tuple[str, ...]]) -> dict[int, set[str]]:
-    """Per stage, the parameters whose data-parallel sync it arms.
-
-    A parameter read by several stages on one rank (tied weights under interleaving) belongs to the
-    one whose last backward comes last on that rank: only then are all its gradients in.
-    """
-    owned: dict[int, set[str]] = {s: set() for s in stage_params}
-    for actions in schedule.ranks:
-        last = {a.stage: i for i, a in enumerate(actions) if a.kind == "B"}
-        owner: dict[str, int] = {}
-        for stage in sorted(last, key=last.__getitem__):
-            for target in stage_params[stage]:
-                owner[target] = stage
-        for target, stage in owner.items():
-            owned[stage].add(target)
-    return owned
+    def run_forward(self, flat: list[torch.Tensor], stages: dict[int, StageGraph]) -> list[Any] | None:
+        """Forward only, over ``stages`` (this rank's stages of the forward graph), in the schedule's order of
+        forwards; returns every microbatch's outputs on the rank of the last stage, None elsewhere."""
+        per_mb, sizes = self.split(flat)
+        self.channel.sizes = sizes
+        outputs: list[Any] = [None] * self.microbatches
+        for action in (a for a in self.actions if a.kind == "F"):
+            posted = self._post(action, sizes, stages)
+            io = stages[action.stage]
+            out, sent = self._run_stage(io, posted.wait() if posted else [], per_mb[action.microbatch])
+            if action.stage < self.n_stages - 1:
+                self._send(sent, action.stage + 1, action.stage, False, action.microbatch)
+            else:
+                outputs[action.microbatch] = out
+        self._wait_sends()
+        return outputs if any(a.stage == self.n_stages - 1 for a in self.actions) else None

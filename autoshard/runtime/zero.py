@@ -1,372 +1,44 @@
-"""ZeRO at run time: flat parameter groups sharded over the data-parallel group.
+"""ZeRO-3 at run time: parameters sharded at rest over dp, gathered per layer just before use.
 
-Stage 1 and 2 (ZeroDataParallel): every group of parameters lives in one flat buffer, padded to a
-multiple of dp; the parameters become views into it. Gradients are reduce-scattered per group from
-post-accumulate-grad hooks while backward runs; each rank steps the optimizer on its own 1/dp slice
-and the updated slices are all-gathered back. Stage 1 keeps the full gradient buffer; stage 2
-allocates it for the backward only and keeps just the gradient shard.
+The rewritten graph (passes/zero3_gather_free) calls ``gather`` before a group's first use (which
+also prefetches the group after it), ``mark`` on the output of each op that uses the group (the last
+one frees the gathered buffer; in backward each gathers it again, and prefetches the group before,
+ahead of that op's backward), and the gather's backward adds the group's gradient into a flat
+buffer. Once the group is armed (the last microbatch's backward of the stage that owns it) the buffer
+is reduce-scattered into this rank's gradient shard, overlapped with the rest of backward.
 
-Stage 3 (Zero3Runtime): parameters are sharded at rest. The rewritten graph calls ``gather`` before a
-group's first use (which also prefetches the next group), ``mark`` on the output of each op that
-uses the group (the last one frees the gathered buffer; in backward each gathers it again before
-that op's backward runs), and the gather's backward reduce-scatters the group's gradient.
-
-ShardOptimizer is shared by all stages: fp32 master shards (separate when the compute dtype is not
-fp32 or when offloaded to the CPU), global-norm clipping across shards, the user's optimizer.
+With tensor parallelism the gathered values are this tp rank's slices: ZeRO-3 shards over dp what
+tp already split (torchtitan's FSDP inside a TP mesh).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard.errors import PlanError
-from autoshard.runtime.comm import CommCounter, same_view
-from autoshard.runtime.grad_sync import InOrderLauncher
-from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_state_bytes
+from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.flat import FlatLayout
+from autoshard.runtime.holders import Groups, Masters, ShardedGrads, _nbytes
 
-__all__ = [
-    "ELEMENTWISE_OPTIMIZERS",
-    "FlatLayout",
-    "ShardOptimizer",
-    "UnboundZero3Runtime",
-    "Zero3Runtime",
-    "Zero3Trainer",
-    "ZeroDataParallel",
-    "check_elementwise",
-    "gather",
-    "layouts_from_slots",
-    "mark",
-]
-
-ELEMENTWISE_OPTIMIZERS = tuple(
-    getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "Rprop", "ASGD")
-    if hasattr(torch.optim, name)
-)
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer, zero: int) -> None:
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-        raise PlanError(
-            f"ZeRO stage {zero} steps the optimizer on flat 1/dp shards of the parameters, which is only "
-            f"equal to unsharded training for optimizers whose update is elementwise; "
-            f"{type(optimizer).__name__} is not known to be ({names} are); use one of those or zero=0"
-        )
-
-
-@dataclass
-class FlatLayout:
-    """Parameters laid out one after another in a flat buffer padded to a multiple of dp."""
-
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    dp: int
-    dp_rank: int
-    shapes: list[torch.Size] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.shapes = [p.shape for p in self.params]
-
-    @property
-    def padded(self) -> int:
-        return math.ceil(self.numel / self.dp) * self.dp
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded // self.dp
-
-    @property
-    def lo(self) -> int:
-        return self.dp_rank * self.shard_numel
-
-    def flatten(
-        self, dtype: torch.dtype, device: torch.device, values: dict[int, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """The parameters (or ``values[id(param)]`` where given) in one padded flat tensor."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        for param, offset in zip(self.params, self.offsets):
-            source = values[id(param)] if values is not None and id(param) in values else param.detach()
-            flat[offset : offset + source.numel()].copy_(source.reshape(-1))
-        return flat
-
-    def own(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a flat (padded) buffer laid out like this group."""
-        return flat[self.lo : self.lo + self.shard_numel]
-
-    def master_shard(self, values: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """This rank's slice of the fp32 master values."""
-        return self.own(self.flatten(torch.float32, device, values)).clone()
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
-
-    def own_ranges(self, select: Callable[[nn.Parameter], bool]) -> list[tuple[int, int]]:
-        """Where the selected parameters lie in this rank's shard: (start, end) in shard coordinates."""
-        ranges = []
-        for param, offset, shape in zip(self.params, self.offsets, self.shapes):
-            start, end = max(offset, self.lo), min(offset + math.prod(shape), self.lo + self.shard_numel)
-            if start < end and select(param):
-                ranges.append((start - self.lo, end - self.lo))
-        return ranges
-
-
-@dataclass
-class TensorParallelShards:
-    """What ZeRO over dp needs when tp ranks hold other slices of the model in the same flat layout.
-
-    ``partial``: per group, the shard ranges of gradients each tp rank holds only partially (weights
-    replicated over tp but used on sequence shards): they are summed over tp once reduced over dp.
-    ``replicated``: per group, the ranges of weights every tp rank holds whole: in the gradient norm
-    they count on tp rank 0 only.
-    """
-
-    tp: Any  # runtime.tp.TensorParallel
-    partial: list[list[tuple[int, int]]]
-    replicated: list[list[tuple[int, int]]]
-
-    def sum_partial(self, shards: list[torch.Tensor | None]) -> None:
-        self.tp.sum_each_([s[a:b] for s, ranges in zip(shards, self.partial) if s is not None for a, b in ranges])
-
-    def counted(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The elements this rank counts in the global norm: all on tp rank 0, the sharded weights elsewhere."""
-        if self.tp.rank == 0:
-            return shards
-        out = []
-        for shard, ranges in zip(shards, self.replicated):
-            start = 0
-            for a, b in [*ranges, (shard.numel(), shard.numel())]:
-                if a > start:
-                    out.append(shard[start:a])
-                start = b
-        return out
-
-
-def layouts_from_slots(slots: Iterable[tuple[nn.Parameter, int, int, int]], dp: int, dp_rank: int) -> list[FlatLayout]:
-    """Group (param, group index, offset, numel) slots into FlatLayouts, by group index."""
-    by_group: dict[int, list[tuple[int, nn.Parameter]]] = {}
-    sizes: dict[int, int] = {}
-    for param, group, offset, numel in slots:
-        by_group.setdefault(group, []).append((offset, param))
-        sizes[group] = max(sizes.get(group, 0), offset + numel)
-    layouts = []
-    for group in sorted(by_group):
-        entries = sorted(by_group[group], key=lambda e: e[0])
-        layouts.append(FlatLayout([p for _, p in entries], [o for o, _ in entries], sizes[group], dp, dp_rank))
-    return layouts
-
-
-class ShardOptimizer:
-    """The user's optimizer over fp32 master shards, one per flat group.
-
-    ``compute_shards`` are this rank's slices of the parameters in the compute dtype. When they are
-    fp32 and not offloaded, the master shards are those very tensors; otherwise master shards are
-    separate fp32 copies (on the CPU with offload) and the update is copied back after each step.
-    """
-
-    def __init__(
-        self,
-        compute_shards: list[torch.Tensor],
-        factory: Callable[[Any], torch.optim.Optimizer],
-        zero: int,
-        offload: bool,
-        comm: CommCounter,
-        initial_masters: list[torch.Tensor] | None = None,
-        tp_shards: TensorParallelShards | None = None,
-    ) -> None:
-        """``initial_masters``: fp32 starting values when the compute shards were rounded (mixed precision)."""
-        self.tp_shards = tp_shards
-        self.last_grad_norm: torch.Tensor | None = None  # before clipping, when the step clipped
-        self.compute_shards = compute_shards
-        self.offload = offload
-        self.comm = comm
-        self.separate = offload or any(s.dtype != torch.float32 for s in compute_shards)
-        if self.separate:
-            device = torch.device("cpu") if offload else None
-            sources = initial_masters or [s.detach() for s in compute_shards]
-            self.masters = [
-                nn.Parameter(v.to(device=device or s.device, dtype=torch.float32, copy=True))
-                for s, v in zip(compute_shards, sources)
-            ]
-        else:
-            self.masters = [nn.Parameter(s.detach()) for s in compute_shards]  # shares storage
-        self.optimizer = make_optimizer(factory, self.masters)
-        check_elementwise(self.optimizer, zero)
-
-    def reload_masters(self) -> None:
-        """After the compute parameters were overwritten (load_state_dict): copy them into the masters."""
-        if self.separate:
-            with torch.no_grad():
-                for shard, master in zip(self.compute_shards, self.masters):
-                    master.copy_(shard.detach())
-
-    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
-        for master, grad in zip(self.masters, grads):
-            if grad is None:
-                master.grad = None
-            elif self.separate:
-                master.grad = grad.to(device=master.device, dtype=torch.float32)
-            else:
-                master.grad = grad
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Scale the shard gradients so that the global (all shards) L2 norm is at most max_norm."""
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        shards = self.tp_shards
-        if shards is None:
-            return clip_by_global_norm(grads, grads, max_norm, self.comm.all_reduce, self.compute_shards[0].device)
-
-        def over_dp_and_tp(tensor: torch.Tensor) -> None:
-            self.comm.all_reduce(tensor)
-            shards.tp.sum_(tensor)
-
-        device = self.compute_shards[0].device
-        return clip_by_global_norm(shards.counted(grads), grads, max_norm, over_dp_and_tp, device)
-
-    def step(self, max_grad_norm: float | None = None) -> None:
-        if max_grad_norm is not None:
-            self.last_grad_norm = self.clip_grad_norm(max_grad_norm)
-        self.optimizer.step()
-        if self.separate:
-            with torch.no_grad():
-                for shard, master in zip(self.compute_shards, self.masters):
-                    shard.copy_(master.detach())
-        for m in self.masters:
-            m.grad = None
-
-    def state_bytes(self) -> tuple[int, int]:
-        """(optimizer state bytes, separate fp32 master bytes) held by this rank."""
-        state = optimizer_state_bytes(self.optimizer)
-        masters = sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
-        return state, masters
-
-
-class ZeroDataParallel:
-    """ZeRO stages 1 and 2: flat groups, reduce-scatter while backward runs, sharded step, all-gather."""
-
-    def __init__(
-        self,
-        layouts: list[FlatLayout],
-        stage: int,
-        offload: bool,
-        factory: Callable[[Any], torch.optim.Optimizer],
-        comm: CommCounter,
-        master_values: dict[int, torch.Tensor] | None = None,
-        tp_shards: TensorParallelShards | None = None,
-    ) -> None:
-        self.layouts = layouts
-        self.tp_shards = tp_shards
-        self.stage = stage
-        self.comm = comm
-        self.flats: list[torch.Tensor] = []
-        for layout in layouts:
-            first = layout.params[0]
-            flat = layout.flatten(first.dtype, first.device)
-            for param, view in zip(layout.params, layout.views(flat)):
-                param.data = view  # the model's parameters now live in the flat buffer
-            self.flats.append(flat)
-        self.dp = layouts[0].dp if layouts else 1
-        owned = [lay.own(flat) for flat, lay in zip(self.flats, layouts)]
-        masters = (
-            [lay.master_shard(master_values, f.device) for lay, f in zip(layouts, self.flats)]
-            if master_values
-            else None
-        )
-        self.shard_opt = ShardOptimizer(owned, factory, stage, offload, comm, masters, tp_shards)
-        # Stage 1 keeps full gradient buffers; stage 2 allocates them per backward.
-        self.grad_flats: list[torch.Tensor | None] = [
-            torch.zeros_like(flat) if stage == 1 else None for flat in self.flats
-        ]
-        # Reduce-scatter outputs: kept by stage 2 (its gradient shard). Stage 1 keeps the full buffer
-        # and takes its own chunk of it (reduced there in place on gloo, copied there otherwise).
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(layouts)
-        self._works: list[Any] = [None] * len(layouts)
-        self.launcher = InOrderLauncher([lay.params for lay in layouts], self._launch)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.shard_opt.optimizer
-
-    def prepare(self, armed: bool = True) -> None:
-        """Before a backward (``armed=False``: launch nothing until ``launcher.reset()``, see BucketedGradSync)."""
-        for g, layout in enumerate(self.layouts):
-            if self.grad_flats[g] is None:
-                self.grad_flats[g] = torch.zeros_like(self.flats[g])
-            else:
-                self.grad_flats[g].zero_()
-            for param, view in zip(layout.params, layout.views(self.grad_flats[g])):
-                param.grad = view
-            self._works[g] = None
-        self.launcher.reset(armed)
-
-    def _launch(self, g: int) -> None:
-        layout = self.layouts[g]
-        if self.stage == 1 and self.comm.reduces_in_place():
-            # Stage 1 keeps the full buffer: its own chunk receives the result, no extra shard.
-            self.grad_shards[g] = layout.own(self.grad_flats[g])
-        elif self.grad_shards[g] is None:
-            self.grad_shards[g] = self.grad_flats[g].new_empty(layout.shard_numel)
-        self.grad_flats[g].div_(self.dp)
-        # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
-        self._works[g] = self.comm.reduce_scatter(self.grad_shards[g], self.grad_flats[g], async_op=True, in_place=True)
-
-    def finish(self) -> None:
-        self.launcher.flush()
-        grads = []
-        for g, layout in enumerate(self.layouts):
-            self._works[g].wait()
-            self._works[g] = None
-            if self.stage == 1:
-                owned = layout.own(self.grad_flats[g])
-                if not same_view(owned, self.grad_shards[g]):
-                    owned.copy_(self.grad_shards[g])
-                self.grad_shards[g] = None
-                grads.append(owned)
-            else:
-                for param in layout.params:
-                    param.grad = None
-                self.grad_flats[g] = None  # only the shard stays
-                grads.append(self.grad_shards[g])
-        if self.tp_shards is not None:
-            self.tp_shards.sum_partial(grads)
-        self.shard_opt.set_grads(grads)
-
-    def step(self, max_grad_norm: float | None) -> None:
-        self.shard_opt.step(max_grad_norm)
-        works = [
-            self.comm.all_gather(flat, layout.own(flat), async_op=True, in_place=True)
-            for flat, layout in zip(self.flats, self.layouts)
-        ]
-        for work in works:
-            work.wait()
-
-    def memory(self) -> dict[str, int]:
-        params = sum(f.numel() * f.element_size() for f in self.flats)
-        grads = sum(g.numel() * g.element_size() for g in [*self.grad_flats, *self.grad_shards] if g is not None)
-        state, masters = self.shard_opt.state_bytes()
-        return {"parameters": params, "gradients": grads, "optimizer": state + masters}
+__all__ = ["UnboundZero3Runtime", "Zero3Holder", "Zero3Runtime", "gather", "mark"]
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather a group's parameters. Backward: reduce-scatter their gradients."""
+    """Forward: all-gather a group's parameters. Backward: accumulate (and, armed, reduce-scatter) their gradients."""
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
         ctx.runtime, ctx.group = runtime, group
         runtime.ensure_gathered(group)
-        runtime.prefetch(group + 1)
+        runtime.prefetch(runtime.next_of.get(group))
         return tuple(runtime.layouts[group].views(runtime.fulls[group]))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
-        ctx.runtime.reduce_scatter_grads(ctx.group, grads)
+        ctx.runtime.add_grads(ctx.group, grads)
         return None, None, None
 
 
@@ -387,7 +59,7 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         ctx.runtime.ensure_gathered(ctx.group)
-        ctx.runtime.prefetch(ctx.group - 1)
+        ctx.runtime.prefetch(ctx.runtime.prev_of.get(ctx.group))
         return grad, None, None, None
 
 
@@ -409,43 +81,39 @@ class UnboundZero3Runtime(nn.Module):
 
 
 class Zero3Runtime(nn.Module):
-    """ZeRO stage 3 state: parameter shards at rest, gathered buffers, gradient shards."""
+    """ZeRO-3 state of one rank, shared by all its stage graphs: shards at rest, gathered buffers, gradients."""
 
-    def __init__(self, layouts: list[FlatLayout], comm: CommCounter) -> None:
+    def __init__(self, layouts: dict[int, FlatLayout], comm: CommCounter) -> None:
         super().__init__()
         self.layouts = layouts
         self.comm = comm
-        self.dp = layouts[0].dp if layouts else 1
-        self.shards = nn.ParameterList()
-        self.fulls: list[torch.Tensor] = []
-        for layout in layouts:
-            first = layout.params[0]
-            dtype = first.dtype
-            flat = layout.flatten(dtype, first.device)
-            self.shards.append(nn.Parameter(layout.own(flat).clone()))
-            del flat
-            full = torch.empty(layout.padded, dtype=dtype, device=first.device)
+        self.dp = next(iter(layouts.values())).dp if layouts else 1
+        forward = sorted(layouts)  # group ids follow first use in forward
+        self.next_of = dict(zip(forward, forward[1:]))
+        self.prev_of = dict(zip(forward[1:], forward))
+        self.shards: dict[int, nn.Parameter] = {}
+        self.fulls: dict[int, torch.Tensor] = {}
+        for g, layout in layouts.items():
+            self.shards[g] = nn.Parameter(layout.own(layout.flatten()).clone())
+            full = torch.empty(layout.padded, dtype=layout.dtype, device=layout.device)
             full.untyped_storage().resize_(0)
-            self.fulls.append(full)
+            self.fulls[g] = full
             for param in layout.params:  # the unsharded parameters are released: the shards hold them now
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        n = len(layouts)
-        self._gathered = [False] * n
-        self._pending: list[Any] = [None] * n
-        self._versions = [0] * n
-        self._reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
-        self.grad_shards: list[torch.Tensor | None] = [None] * n
+        self._gathered = dict.fromkeys(layouts, False)
+        self._pending: dict[int, Any] = {}
+        self._versions = dict.fromkeys(layouts, 0)
+        self.grad_flats: dict[int, torch.Tensor | None] = dict.fromkeys(layouts)
+        self.armed: set[int] = set()
+        self.reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
         self.peak_gathered_bytes = 0
 
-    def _full_bytes(self, group: int) -> int:
-        return self.layouts[group].padded * self.fulls[group].element_size()
-
     def gathered_bytes(self) -> int:
-        return sum(f.untyped_storage().nbytes() for f in self.fulls)
+        return sum(f.untyped_storage().nbytes() for f in self.fulls.values())
 
     def _launch(self, group: int) -> None:
         full = self.fulls[group]
-        full.untyped_storage().resize_(self._full_bytes(group))
+        full.untyped_storage().resize_(self.layouts[group].padded * full.element_size())
         # Refilling a buffer that autograd saved is safe here: nothing read it since it was freed.
         # The backend may copy into it at any time until wait(), so _wait restores this version.
         self._versions[group] = full._version
@@ -453,19 +121,19 @@ class Zero3Runtime(nn.Module):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _wait(self, group: int) -> None:
-        if self._pending[group] is not None:
-            self._pending[group].wait()
-            self._pending[group] = None
+        work = self._pending.pop(group, None)
+        if work is not None:
+            work.wait()
             torch._C._autograd._unsafe_set_version_counter((self.fulls[group],), (self._versions[group],))
 
     def ensure_gathered(self, group: int) -> None:
-        if not self._gathered[group] and self._pending[group] is None:
+        if not self._gathered[group] and group not in self._pending:
             self._launch(group)
         self._wait(group)
         self._gathered[group] = True
 
-    def prefetch(self, group: int) -> None:
-        if 0 <= group < len(self.layouts) and not self._gathered[group] and self._pending[group] is None:
+    def prefetch(self, group: int | None) -> None:
+        if group is not None and not self._gathered[group] and group not in self._pending:
             self._launch(group)
 
     def free(self, group: int) -> None:
@@ -473,79 +141,92 @@ class Zero3Runtime(nn.Module):
         self.fulls[group].untyped_storage().resize_(0)
         self._gathered[group] = False
 
-    def reduce_scatter_grads(self, group: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def add_grads(self, group: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Add a backward's gradients of ``group`` to its flat buffer; reduce-scatter it once armed."""
         layout = self.layouts[group]
-        flat = torch.zeros(layout.padded, dtype=self.fulls[group].dtype, device=self.fulls[group].device)
+        flat = self.grad_flats[group]
+        if flat is None:
+            flat = self.grad_flats[group] = torch.zeros(layout.padded, dtype=layout.dtype, device=layout.device)
         for offset, shape, grad in zip(layout.offsets, layout.shapes, grads):
             if grad is not None:
-                flat[offset : offset + math.prod(shape)].copy_(grad.reshape(-1))
-        flat.div_(self.dp)
-        out = flat.new_empty(layout.shard_numel)
-        work = self.comm.reduce_scatter(out, flat, async_op=True)
-        self._reductions.append((group, work, out, flat))
+                flat[offset : offset + math.prod(shape)].add_(grad.reshape(-1))
+        if group in self.armed:
+            flat.div_(self.dp)
+            out = flat.new_empty(layout.shard_numel)
+            self.reductions.append((group, self.comm.reduce_scatter(out, flat, async_op=True), out, flat))
+            self.grad_flats[group] = None
         self.free(group)
 
-    def prepare(self) -> None:
-        self.grad_shards = [None] * len(self.layouts)
-
-    def finish(self) -> list[torch.Tensor | None]:
-        for group, work, out, _flat in self._reductions:
+    def wait_reductions(self) -> dict[int, torch.Tensor]:
+        """Every launched reduce-scatter, waited for: group -> this rank's gradient shard."""
+        shards: dict[int, torch.Tensor] = {}
+        for group, work, out, _flat in self.reductions:
             work.wait()
-            current = self.grad_shards[group]
-            self.grad_shards[group] = out if current is None else current.add_(out)
-        self._reductions.clear()
-        for group in range(len(self.layouts)):  # prefetched in backward but not needed any more
-            if self._gathered[group] or self._pending[group] is not None:
+            shards[group] = out if group not in shards else shards[group].add_(out)
+        self.reductions.clear()
+        for group in self.layouts:  # prefetched in backward but not needed any more
+            if self._gathered[group] or group in self._pending:
                 self.free(group)
-        return list(self.grad_shards)
+        return shards
 
-    def full_parameters(self) -> list[list[torch.Tensor]]:
+    def full_parameters(self) -> dict[int, list[torch.Tensor]]:
         """Every group's parameters, gathered (a collective: call on every rank)."""
-        out = []
-        for group, layout in enumerate(self.layouts):
-            full = self.fulls[group].new_empty(layout.padded)
-            self.comm.all_gather(full, self.shards[group].detach())
-            out.append([v.clone() for v in layout.views(full)])
+        out = {}
+        for g in sorted(self.layouts):
+            layout = self.layouts[g]
+            full = self.fulls[g].new_empty(layout.padded)
+            self.comm.all_gather(full, self.shards[g].detach())
+            out[g] = [v.clone() for v in layout.views(full)]
         return out
 
 
-class Zero3Trainer:
-    """ZeRO stage 3: the runtime the rewritten graph calls, plus the sharded optimizer."""
+class Zero3Holder(ShardedGrads):
+    """ZeRO-3: the runtime the rewritten graphs call, the armed reduce-scatters, and fp32 master shards."""
 
-    def __init__(
-        self,
-        runtime: Zero3Runtime,
-        offload: bool,
-        factory: Callable[[Any], torch.optim.Optimizer],
-        comm: CommCounter,
-        master_values: dict[int, torch.Tensor] | None = None,
-    ) -> None:
-        self.runtime = runtime
-        masters = (
-            [lay.master_shard(master_values, s.device) for lay, s in zip(runtime.layouts, runtime.shards)]
-            if master_values
-            else None
-        )
-        self.shard_opt = ShardOptimizer([s.data for s in runtime.shards], factory, 3, offload, comm, masters)
+    name = "ZeRO-3 (gather per layer, reduce-scatter, sharded step)"
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.shard_opt.optimizer
+    def __init__(self, groups: Groups, comm: CommCounter, offload: bool, initial: dict[int, torch.Tensor] | None):
+        super().__init__(groups, comm)
+        self.runtime = Zero3Runtime(self.layouts, comm)
+        self.masters = Masters({g: s.data for g, s in self.runtime.shards.items()}, offload, initial)
 
-    def prepare(self) -> None:
-        self.runtime.prepare()
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in sorted(self.layouts) for p in self.layouts[g].params]
 
-    def finish(self) -> None:
-        grads = self.runtime.finish()
-        self.shard_opt.set_grads(grads)
+    def begin(self, armed: bool) -> None:
+        self.grad_shards = dict.fromkeys(self.order)
+        self.runtime.grad_flats = dict.fromkeys(self.layouts)
+        self.runtime.armed = set(self.order) if armed else set()
 
-    def step(self, max_grad_norm: float | None) -> None:
-        self.shard_opt.step(max_grad_norm)
-        self.runtime.grad_shards = [None] * len(self.runtime.layouts)
+    def arm(self, stage: int) -> None:
+        self.runtime.armed.update(self.groups_of(stage))
+
+    def end(self) -> None:
+        rt = self.runtime
+        for g in self.order:  # gradients added but never armed (should not happen): reduce them now
+            if rt.grad_flats[g] is not None:
+                rt.armed.add(g)
+                rt.add_grads(g, ())
+        self.grad_shards.update(rt.wait_reductions())
+        for g in self.order:
+            rt.grad_flats[g] = None
+
+    def after_step(self) -> None:
+        self.masters.write_back()
+
+    def full_values(self) -> dict[int, torch.Tensor]:
+        gathered = self.runtime.full_parameters()
+        return {id(p): v for g, values in gathered.items() for p, v in zip(self.layouts[g].params, values)}
+
+    def load_values(self, values: dict[int, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for g, layout in self.layouts.items():
+                self.runtime.shards[g].copy_(layout.own(layout.flatten(values=values)))
+        self.masters.reload()
 
     def memory(self) -> dict[str, int]:
         rt = self.runtime
-        params = sum(s.numel() * s.element_size() for s in rt.shards) + rt.gathered_bytes()
-        grads = sum(g.numel() * g.element_size() for g in rt.grad_shards if g is not None)
-        state, masters = self.shard_opt.state_bytes()
-        return {"parameters": params, "gradients": grads, "optimizer": state + masters}
+        return {
+            "parameters": _nbytes(rt.shards.values()) + rt.gathered_bytes(),
+            "gradients": _nbytes(self.grad_shards.values()),
+        }

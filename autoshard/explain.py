@@ -1,0 +1,130 @@
+"""``program.explain()``: the plan and why, costs per layer, the mesh, stages, placements and the runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoshard.meta import LAYER, get_layer
+from autoshard.passes import tp_rewrite
+from autoshard.placements import OnStages, Shard
+from autoshard.runtime import tp as tp_ops
+
+__all__ = ["explain", "fmt_count"]
+
+MODEL_PREFIX = "model."
+
+
+def fmt_count(value: int) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return str(value)
+
+
+def explain(program: Any) -> str:
+    report, cost = program.report, program.cost
+    sizes = report.sizes
+    size_str = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    chosen = report.chosen
+    ev = cost.evaluate(**sizes)
+    lines = [
+        f"autoshard program for {program.compiled.captured.model_name} on {program.mesh}",
+        f"plan: {program.plan}",
+        f"why:  {report.reason}",
+        f"predicted per rank at the example global batch ({size_str}) on a {report.device.name}: "
+        f"{chosen.memory_bytes / 2**30:.3f} GiB, {chosen.step_seconds * 1e3:.3f} ms per step",
+        "",
+        "candidates:",
+        report.table(),
+        "",
+        f"whole model: forward {cost.flops_fwd} FLOPs = {fmt_count(int(ev.flops_fwd))}, "
+        f"backward {cost.flops_bwd} = {fmt_count(int(ev.flops_bwd))}",
+        f"             parameters {fmt_count(cost.param_bytes)}B, "
+        f"activations {cost.activation_bytes} B = {fmt_count(int(ev.activation_bytes))}B",
+        "",
+        f"{'layer':<28} {'forward FLOPs':<34} {'at ' + size_str:>14} {'params':>9} {'activations':>12}",
+    ]
+    for lc, lv in zip(cost.layers, ev.layers):
+        expr = str(lc.flops_fwd)
+        expr = expr if len(expr) <= 34 else expr[:31] + "..."
+        lines.append(
+            f"{lc.name:<28} {expr:<34} {fmt_count(int(lv.flops_fwd)):>14} "
+            f"{fmt_count(lc.param_bytes) + 'B':>9} {fmt_count(int(lv.activation_bytes)) + 'B':>12}"
+        )
+    if program.mesh.size <= 16:
+        lines += ["", "mesh:", program.mesh.table()]
+    lines += ["", *_placements(program)]
+    if program.schedule is not None:
+        lines += ["", *_stages(program)]
+    if program.tp_report is not None:
+        lines += ["", *_tensor_parallel(program)]
+    if program.runtime is not None:
+        lines += ["", f"this rank ({program.rank}): {program.runtime.holder.describe()}"]
+    lines += ["", "passes:"] + [f"  {line}" for line in program.analysis_log]
+    return "\n".join(lines)
+
+
+def _placements(program: Any) -> list[str]:
+    """How many tensors (and bytes) lie which way along each mesh dimension."""
+    counts: dict[str, int] = {}
+    for placement in program.placements.values():
+        if placement.trainable:
+            kind = ", ".join(f"{dim} {p}" for dim, p in placement.by_dim().items() if _notable(p))
+            counts[kind or "replicated everywhere"] = counts.get(kind or "replicated everywhere", 0) + 1
+    lines = ["parameter placements (trainable tensors, per mesh dimension):"]
+    lines += [f"  {n:>4} x {kind}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    tied = sorted({p.pp.ranks for p in program.placements.values() if p.tied})
+    for ranks in tied:
+        keys = [k for k, p in program.placements.items() if p.tied and p.pp.ranks == ranks]
+        lines.append(f"  tied across pipeline ranks {list(ranks)} (gradients summed there): {', '.join(keys)}")
+    return lines
+
+
+def _notable(placement: Any) -> bool:
+    return isinstance(placement, Shard) or isinstance(placement, OnStages)
+
+
+def _stages(program: Any) -> list[str]:
+    schedule = program.schedule
+    lines = ["pipeline stages:"]
+    for stage in program.compiled.stages:
+        layers = [get_layer(n) for n in stage.gm.graph.nodes if n.op == "get_attr" and LAYER in n.meta]
+        blocks = list(dict.fromkeys(x for x in layers if x.rsplit(".", 1)[-1].isdigit()))
+        span = f"{blocks[0]} .. {blocks[-1]}" if blocks else "no blocks"
+        lines.append(
+            f"  stage {stage.stage} on pp rank {schedule.rank_of(stage.stage)}: {span}, "
+            f"{len(stage.parameter_targets)} parameters; receives {len(stage.recv)}, sends {len(stage.send)} tensor(s)"
+        )
+    if schedule.microbatches * schedule.virtual_stages <= 16:
+        lines += ["", schedule.table()]
+    return lines
+
+
+def _tensor_parallel(program: Any) -> list[str]:
+    report, gm = program.tp_report, program.captured_graph
+    lines = [f"tensor parallel (tp={report.degree}):"]
+    for target, placement in report.weights.items():
+        if isinstance(placement, Shard):
+            key = target.removeprefix(MODEL_PREFIX)
+            shape = program.placements[key].shape if key in program.placements else "?"
+            lines.append(f"  {key:<52} {str(placement):<8} full {tuple(shape)}")
+    for target, why in report.replicated.items():
+        lines.append(f"  {target.removeprefix(MODEL_PREFIX):<52} {'R':<8} replicated: {why}")
+    lines.append("  collectives per layer:")
+    for layer, counts in tp_rewrite.collectives_by_layer(gm).items():
+        lines.append(f"    {layer:<30} " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    losses = [n for n in gm.graph.nodes if n.target is tp_ops.vocab_parallel_cross_entropy]
+    if losses:
+        lines.append(
+            f"  vocab-parallel cross-entropy ({len(losses)}): per row, an all-reduce of the max logit and one of "
+            f"the sum of exponentials with the target's logit; the logits stay sharded"
+        )
+    if report.partial_grad_params:
+        lines.append(
+            f"  {len(report.partial_grad_params)} replicated weights used on shards (norms, split biases): "
+            f"gradients summed over tp in one all-reduce after backward"
+        )
+    if report.unruled:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.unruled.items()))
+        lines.append(f"  ops without a sharding rule (inputs replicated): {ops}")
+    return lines

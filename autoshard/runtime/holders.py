@@ -1,0 +1,358 @@
+"""Parameter holders: what holds this rank's parameters and keeps their gradients in sync over dp.
+
+One holder per ZeRO stage, behind one small interface, for every plan (a pipeline rank's stages
+share one holder; tensor parallelism only changes the tensors it is given):
+
+    begin(armed)        before the first backward of a step; armed: reduce as gradients arrive
+    arm(stage)          before ``stage``'s last backward (microbatches): its groups reduce from now on
+    end()               after the last backward: every reduction waited for, gradients final
+    grad_views(select)  the final gradients of the selected parameters (whole, or this rank's shard of them)
+    group_grad(gid)     one flat group's final gradient (summed over other ranks by tied-weight groups)
+    masters             the tensors the optimizer steps: None (the parameters themselves) or fp32 shards
+    after_step()        write the update back into the parameters the graphs read
+    full_values()       every held parameter whole along dp (a collective); load_values() the converse
+
+ReplicatedHolder is data parallelism (DDP's bucketed all-reduce overlapped with backward);
+ShardedHolder is ZeRO-1/2 (reduce-scatter, sharded optimizer step, all-gather); runtime/zero.py
+holds ZeRO-3. Groups launch strictly in one order, the same on every rank of the dp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.runtime.comm import CommCounter, same_view
+from autoshard.runtime.flat import FlatLayout
+from autoshard.runtime.optim import weak_grad_hook
+
+__all__ = ["Groups", "Holder", "InOrderLauncher", "Masters", "ReplicatedHolder", "ShardedGrads", "ShardedHolder"]
+
+
+class InOrderLauncher:
+    """Counts gradient arrivals per armed group and launches complete groups, strictly in ``order``.
+
+    Arrivals come from post-accumulate-grad hooks; a group not armed yet (an earlier microbatch)
+    ignores them. Every dp rank runs the same schedule, so every rank launches the same collectives
+    in the same order.
+    """
+
+    def __init__(self, order: list[int], params_of: dict[int, list[nn.Parameter]], launch: Callable[[int], None]):
+        self.order = order
+        self.sizes = {g: len(params_of[g]) for g in order}
+        self.group_of = {id(p): g for g in order for p in params_of[g]}
+        self.launch = launch
+        self.arrived: set[int] = set()
+        self.armed: set[int] = set()
+        self._pending = dict(self.sizes)
+        self._next = 0
+        for g in order:
+            for p in params_of[g]:
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad))
+
+    def reset(self, armed: Iterable[int]) -> None:
+        self.arrived.clear()
+        self._pending = dict(self.sizes)
+        self._next = 0
+        self.armed = set(armed)
+
+    def arm(self, groups: Iterable[int]) -> None:
+        self.armed.update(groups)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        group = self.group_of.get(id(param))
+        if group not in self.armed or id(param) in self.arrived:
+            return  # an earlier microbatch, a backward outside step(), or a second arrival
+        self.arrived.add(id(param))
+        self._pending[group] -= 1
+        self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        while self._next < len(self.order):
+            group = self.order[self._next]
+            if not force and (group not in self.armed or self._pending[group] > 0):
+                return
+            self.launch(group)
+            self._next += 1
+
+    def flush(self) -> None:
+        """After backward: launch the groups still waiting (parameters that got no gradient)."""
+        self._launch_ready(force=True)
+        self.armed = set()
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's flat groups: layouts by group id, the order they launch in, and the stage arming each
+    (the stage whose last backward on this rank completes the group's gradients)."""
+
+    layouts: dict[int, FlatLayout]
+    order: list[int]
+    owner: dict[int, int]
+
+
+class Holder:
+    """The interface every strategy's holder implements (see the module docstring)."""
+
+    name = "holder"
+    dp_sharded = False  # whether the final gradients are this rank's dp shard
+    masters: Masters | None = None
+
+    def __init__(self, groups: Groups, comm: CommCounter) -> None:
+        self.layouts, self.order, self.owner = groups.layouts, groups.order, groups.owner
+        self.comm = comm
+        self.dp = next(iter(self.layouts.values())).dp if self.layouts else 1
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in self.order for p in self.layouts[g].params]
+
+    def groups_of(self, stage: int) -> list[int]:
+        return [g for g in self.order if self.owner[g] == stage]
+
+    def begin(self, armed: bool) -> None: ...
+    def arm(self, stage: int) -> None: ...
+    def end(self) -> None: ...
+    def after_step(self) -> None: ...
+
+    def grad_views(self, select: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def group_grad(self, gid: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def full_values(self) -> dict[int, torch.Tensor]:
+        return {id(p): p.detach() for p in self.params()}
+
+    def load_values(self, values: dict[int, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p in self.params():
+                p.copy_(values[id(p)])
+
+    def memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        sizes = sum(self.layouts[g].numel * self.layouts[g].params[0].element_size() for g in self.order)
+        return f"{self.name}: {len(self.order)} flat groups, {sizes / 2**20:.2f} MiB of parameters"
+
+
+def _nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class ReplicatedHolder(Holder):
+    """Data parallel: every dp rank holds every parameter; gradient buckets all-reduced while backward runs.
+
+    Every ``.grad`` is a view into its bucket, so autograd accumulates straight into the buffer; a
+    complete bucket is divided by dp and all-reduced asynchronously (DDP's overlap).
+    """
+
+    name = "data parallel (bucketed all-reduce)"
+
+    def __init__(self, groups: Groups, comm: CommCounter) -> None:
+        super().__init__(groups, comm)
+        layouts, order = self.layouts, self.order
+        self.buffers = {g: torch.zeros(lay.padded, dtype=lay.dtype, device=lay.device) for g, lay in layouts.items()}
+        self.views = {g: layouts[g].views(self.buffers[g]) for g in order}
+        self.works: dict[int, Any] = {}
+        self.launcher = InOrderLauncher(order, {g: layouts[g].params for g in order}, self._launch)
+
+    def begin(self, armed: bool) -> None:
+        for g in self.order:
+            self.buffers[g].zero_()
+            for param, view in zip(self.layouts[g].params, self.views[g]):
+                param.grad = view
+        self.works = {}
+        self.launcher.reset(self.order if armed else ())
+
+    def arm(self, stage: int) -> None:
+        self.launcher.arm(self.groups_of(stage))
+
+    def _launch(self, g: int) -> None:
+        if self.dp > 1:
+            self.buffers[g].div_(self.dp)
+            self.works[g] = self.comm.all_reduce(self.buffers[g], async_op=True)
+
+    def end(self) -> None:
+        self.launcher.flush()
+        for g in self.order:
+            if g in self.works:
+                self.works.pop(g).wait()
+            for param in self.layouts[g].params:
+                if id(param) not in self.launcher.arrived:
+                    param.grad = None  # unused this step: like single-device training, no gradient
+
+    def grad_views(self, select: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
+        return [p.grad for p in self.params() if p.grad is not None and select(p)]
+
+    def group_grad(self, gid: int) -> torch.Tensor:
+        for param, view in zip(self.layouts[gid].params, self.views[gid]):
+            param.grad = view  # summed with other ranks' copies: a gradient even where none arrived here
+        return self.buffers[gid]
+
+    def memory(self) -> dict[str, int]:
+        return {"parameters": _nbytes(self.params()), "gradients": _nbytes(self.buffers.values())}
+
+
+class Masters:
+    """The tensors the optimizer steps under ZeRO: this rank's fp32 shard of each group.
+
+    When the compute shards are fp32 and stay on the device, the masters share their storage; with
+    lower-precision parameters or offload they are separate fp32 copies (on the CPU with offload),
+    and the update is copied back after each step.
+    """
+
+    def __init__(self, compute: dict[int, torch.Tensor], offload: bool, initial: dict[int, torch.Tensor] | None):
+        """``initial``: fp32 starting values per group where the compute shards were rounded (mixed precision)."""
+        self.compute = compute
+        self.separate = offload or any(t.dtype != torch.float32 for t in compute.values())
+        device = torch.device("cpu") if offload else None
+        self.tensors: dict[int, nn.Parameter] = {}
+        for g, shard in compute.items():
+            if self.separate:
+                source = initial[g] if initial else shard.detach()
+                self.tensors[g] = nn.Parameter(source.to(device=device or shard.device, dtype=torch.float32, copy=True))
+            else:
+                self.tensors[g] = nn.Parameter(shard.detach())  # shares storage
+
+    def set_grads(self, grads: dict[int, torch.Tensor | None]) -> None:
+        for g, master in self.tensors.items():
+            grad = grads.get(g)
+            if grad is None:
+                master.grad = None
+            else:
+                master.grad = grad.to(master.device, torch.float32) if self.separate else grad
+
+    def write_back(self) -> None:
+        with torch.no_grad():
+            for g, master in self.tensors.items():
+                if self.separate:
+                    self.compute[g].copy_(master.detach())
+                master.grad = None
+
+    def reload(self) -> None:
+        """After the compute shards were overwritten (a state dict was loaded): copy them into the masters."""
+        if self.separate:
+            with torch.no_grad():
+                for g, master in self.tensors.items():
+                    master.copy_(self.compute[g].detach())
+
+    def nbytes(self) -> int:
+        return _nbytes(self.tensors.values()) if self.separate else 0
+
+
+class ShardedGrads(Holder):
+    """What ZeRO's holders share: final gradients as this rank's dp shard of each group, fp32 masters."""
+
+    dp_sharded = True
+
+    def __init__(self, groups: Groups, comm: CommCounter) -> None:
+        super().__init__(groups, comm)
+        self.grad_shards: dict[int, torch.Tensor | None] = dict.fromkeys(self.order)
+
+    def grad_views(self, select: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
+        out = []
+        for g in self.order:
+            shard = self.grad_shards[g]
+            if shard is not None:
+                out += [shard[a:b] for a, b in self.layouts[g].own_ranges(select)]
+        return out
+
+    def group_grad(self, gid: int) -> torch.Tensor:
+        if self.grad_shards[gid] is None:
+            layout = self.layouts[gid]
+            self.grad_shards[gid] = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=layout.device)
+        return self.grad_shards[gid]
+
+    def memory(self) -> dict[str, int]:
+        return {"gradients": _nbytes(self.grad_shards.values())}
+
+
+class ShardedHolder(ShardedGrads):
+    """ZeRO stages 1 and 2: each group in one flat buffer (the parameters are views into it);
+    gradients reduce-scattered while backward runs; each rank's optimizer steps its shard; the
+    updated shards are all-gathered back. Stage 1 keeps the full gradient buffers; stage 2 allocates
+    them for the backward only and keeps just its shard.
+    """
+
+    def __init__(
+        self, groups: Groups, comm: CommCounter, stage: int, offload: bool, initial: dict[int, torch.Tensor] | None
+    ) -> None:
+        """``initial``: fp32 starting values of this rank's shard per group (mixed precision), else None."""
+        super().__init__(groups, comm)
+        layouts, order = self.layouts, self.order
+        self.name = f"ZeRO-{stage} (reduce-scatter, sharded step, all-gather)"
+        self.stage = stage
+        self.flats = {}
+        for g in order:
+            flat = layouts[g].flatten()
+            for param, view in zip(layouts[g].params, layouts[g].views(flat)):
+                param.data = view  # the model's parameters now live in the flat buffer
+            self.flats[g] = flat
+        self.masters = Masters({g: layouts[g].own(self.flats[g]) for g in order}, offload, initial)
+        self.grad_flats: dict[int, torch.Tensor | None] = {
+            g: torch.zeros_like(self.flats[g]) if stage == 1 else None for g in order
+        }
+        self.works: dict[int, Any] = {}
+        self.launcher = InOrderLauncher(order, {g: layouts[g].params for g in order}, self._launch)
+
+    def begin(self, armed: bool) -> None:
+        for g in self.order:
+            if self.grad_flats[g] is None:
+                self.grad_flats[g] = torch.zeros_like(self.flats[g])
+            else:
+                self.grad_flats[g].zero_()
+            for param, view in zip(self.layouts[g].params, self.layouts[g].views(self.grad_flats[g])):
+                param.grad = view
+            self.grad_shards[g] = None
+        self.works = {}
+        self.launcher.reset(self.order if armed else ())
+
+    def arm(self, stage: int) -> None:
+        self.launcher.arm(self.groups_of(stage))
+
+    def _launch(self, g: int) -> None:
+        layout, full = self.layouts[g], self.grad_flats[g]
+        if self.stage == 1 and self.comm.reduces_in_place():
+            self.grad_shards[g] = layout.own(full)  # stage 1 keeps the buffer: its own chunk gets the result
+        else:
+            self.grad_shards[g] = full.new_empty(layout.shard_numel)
+        full.div_(self.dp)
+        # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
+        self.works[g] = self.comm.reduce_scatter(self.grad_shards[g], full, async_op=True, in_place=True)
+
+    def end(self) -> None:
+        self.launcher.flush()
+        for g in self.order:
+            self.works.pop(g).wait()
+            layout = self.layouts[g]
+            if self.stage == 1:
+                owned = layout.own(self.grad_flats[g])
+                if not same_view(owned, self.grad_shards[g]):
+                    owned.copy_(self.grad_shards[g])
+                self.grad_shards[g] = owned
+            else:
+                for param in layout.params:
+                    param.grad = None
+                self.grad_flats[g] = None  # only the shard stays
+
+    def after_step(self) -> None:
+        self.masters.write_back()
+        works = [
+            self.comm.all_gather(self.flats[g], self.layouts[g].own(self.flats[g]), async_op=True, in_place=True)
+            for g in self.order
+        ]
+        for work in works:
+            work.wait()
+
+    def load_values(self, values: dict[int, torch.Tensor]) -> None:
+        super().load_values(values)
+        self.masters.reload()
+
+    def memory(self) -> dict[str, int]:
+        grads = _nbytes([*self.grad_flats.values(), *(s for g, s in self.grad_shards.items() if self.stage == 2)])
+        return {"parameters": _nbytes(self.flats.values()), "gradients": grads}

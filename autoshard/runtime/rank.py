@@ -1,0 +1,298 @@
+"""One rank's runtime: the components its plan needs, set up in one fixed order, and one training step.
+
+Set-up, the same order on every rank (collectives inside must match):
+  1. process groups along dp, tp and pp, and one per set of pipeline ranks sharing tied weights;
+  2. tensor parallelism: the shared random state, every sharded tensor cut to this rank's slice;
+  3. pipeline: tensors no stage of this rank reads are released;
+  4. every dp replica starts from the first dp rank's values (DDP's broadcast);
+  5. the holder of the plan's ZeRO stage takes this rank's flat groups (runtime/holders.py, zero.py);
+  6. the runtime modules are bound into this rank's graphs; the optimizer is built.
+
+A step is the same for every plan: the driver (one graph, or the pipeline schedule) runs forward
+and backward while the holder reduces gradients over dp; then partial gradients are summed over
+tp and tied weights' over their pipeline ranks, the global norm is taken (and clipped), the
+optimizer steps and the holder writes the update back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from autoshard.errors import InputError
+from autoshard.meta import GRAD_BUCKET, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.placements import ParamPlacement, Shard
+from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.flat import layouts_from_slots
+from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
+from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_like, optimizer_state_bytes
+from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner
+from autoshard.runtime.tp import TensorParallel
+from autoshard.runtime.zero import Zero3Holder
+
+__all__ = ["RankRuntime", "make_group"]
+
+MODEL_PREFIX = "model."
+TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
+
+
+def make_group(mesh: Any, rank: int, dim: str) -> dist.ProcessGroup | None:
+    """This rank's process group along mesh dimension ``dim`` (every rank creates every group, in order)."""
+    if mesh.degree(dim) == dist.get_world_size():
+        return None  # the default group
+    mine = None
+    for ranks in mesh.groups(dim):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def state_tensors(compiled: Any) -> dict[str, torch.Tensor]:
+    """The model's state by key, as the captured graph holds it (the same tensors the graphs read)."""
+    gm = compiled.captured.gm
+    out = {}
+    for key, original in compiled.model.state_dict(keep_vars=True).items():
+        try:
+            out[key] = gm.get_parameter(MODEL_PREFIX + key)
+        except AttributeError:
+            try:
+                out[key] = gm.get_buffer(MODEL_PREFIX + key)
+            except AttributeError:
+                out[key] = original  # not read by the graph: it never changes
+    return out
+
+
+class RankRuntime:
+    """This rank's share of the program: groups, tensor parallelism, holder, optimizer and driver."""
+
+    def __init__(self, compiled: Any, factory: Callable[[Any], torch.optim.Optimizer] | None, comm: CommCounter):
+        plan = self.plan = compiled.plan
+        mesh = self.mesh = plan.mesh
+        self.compiled = compiled
+        self.comm = comm
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        coords = self.coords = mesh.coords(self.rank)
+        self.tensors = state_tensors(compiled)
+        self.placement_of: dict[int, ParamPlacement] = {id(self.tensors[k]): p for k, p in compiled.placements.items()}
+        first = next(iter(self.tensors.values()), torch.empty(0))
+        self.device = first.device
+        self.schedule = compiled.schedule
+        stages = [s for s in compiled.stages if self.schedule.rank_of(s.stage) == coords["pp"]] if self.schedule else []
+        self.stages = {s.stage: s for s in stages}
+        self.graphs: dict[int, fx.GraphModule] = {s.stage: s.gm for s in stages} or {0: compiled.captured.gm}
+        distributed = dist.is_initialized()
+        # 1. process groups
+        self.dp_group = make_group(mesh, self.rank, "dp") if distributed else None
+        comm.group = self.dp_group
+        tp_group = make_group(mesh, self.rank, "tp") if distributed and plan.tp > 1 else None
+        self.pp_group = make_group(mesh, self.rank, "pp") if distributed and plan.pp > 1 else None
+        self.p2p_group = dist.new_group(list(range(mesh.size))) if distributed and plan.pp > 1 else None
+        self.ties: dict[tuple[int, ...], Any] = {}
+        tied_sets = sorted({p.pp.ranks for p in compiled.placements.values() if p.tied})
+        for pp_ranks in tied_sets:
+            for dp in range(mesh.dp):
+                for tp in range(mesh.tp):
+                    ranks = [mesh.rank_of(pp=r, dp=dp, tp=tp) for r in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.ties[pp_ranks] = group
+        # 2. tensor parallelism
+        self.tp = self._setup_tensor_parallel(tp_group) if distributed and plan.tp > 1 else None
+        masters = dict(compiled.master_values or {})
+        for tensor in dict.fromkeys(self.tensors.values()):
+            placement = self.placement_of[id(tensor)]
+            if isinstance(placement.tp, Shard) and self.tp is not None:
+                tensor.data = placement.tp.local(tensor.data, self.tp.rank, self.tp.degree).clone()
+                if id(tensor) in masters:
+                    masters[id(tensor)] = placement.tp.local(masters[id(tensor)], self.tp.rank, self.tp.degree)
+            # 3. pipeline: another stage's tensor
+            if not placement.held_on(coords["pp"]):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                masters.pop(id(tensor), None)
+        # 4. every dp replica starts alike
+        if distributed and plan.dp > 1:
+            self._broadcast_from_first_dp_rank([*dict.fromkeys(self.tensors.values()), *masters.values()])
+        # 5. the holder of this rank's flat groups
+        self.holder = self._make_holder(masters)
+        # 6. bind, and the optimizer
+        self.channel = PipelineChannel() if self.schedule else None
+        for gm in self.graphs.values():
+            self.bind(gm)
+        self.optimizer = self._make_optimizer(factory) if factory is not None else None
+        self.runner = self._make_runner() if self.schedule else None
+        self.partial = {id(t) for t in self.tensors.values() if self.placement_of[id(t)].partial_over_tp}
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_memory: dict[str, int] = {}
+        self.step_seconds = 0.0
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)  # kept across steps
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def bind(self, gm: fx.GraphModule) -> None:
+        """Put this rank's runtime modules where a graph's get_attr nodes read them."""
+        if self.tp is not None:
+            gm.add_submodule(TP_ATTR, self.tp)
+        if isinstance(self.holder, Zero3Holder):
+            gm.add_submodule(ZERO3_ATTR, self.holder.runtime)
+        if self.channel is not None:
+            gm.add_submodule(PIPE_ATTR, self.channel)
+
+    def _setup_tensor_parallel(self, group: dist.ProcessGroup | None) -> TensorParallel:
+        # Replicated activations must see the same dropout masks on every tp rank: share tp rank 0's
+        # random state (and seed, from which each rank's own stream for sharded activations derives).
+        first = self.mesh.group("tp", self.rank)[0]
+        nccl = dist.get_backend(group) == "nccl"
+        wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+        def shared(tensor: torch.Tensor) -> torch.Tensor:
+            on_wire = tensor.to(wire)
+            dist.broadcast(on_wire, src=first, group=group)
+            return on_wire.cpu()
+
+        torch.set_rng_state(shared(torch.get_rng_state()))
+        if nccl:
+            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state()))
+        seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
+        return TensorParallel(group, self.comm, int(seed))
+
+    def _broadcast_from_first_dp_rank(self, tensors: list[torch.Tensor]) -> None:
+        src = self.mesh.group("dp", self.rank)[0]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in dict.fromkeys(tensors):
+            if tensor.numel():
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.reshape(-1).to(self.device) for t in group])
+                dist.broadcast(flat, src=src, group=self.dp_group)
+                for t, value in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(value.view_as(t))
+
+    def _slots(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, group, offset, numel) of every trainable parameter this rank's graphs read."""
+        slots = []
+        for gm in self.graphs.values():
+            for node in gm.graph.nodes:
+                if ZERO3 in node.meta:
+                    record = get_zero3_gather(node)
+                    for target, offset, numel in zip(record.targets, record.offsets, record.numels):
+                        slots.append((gm.get_parameter(target), record.group, offset, numel))
+                elif node.op == "get_attr" and GRAD_BUCKET in node.meta:
+                    slot = get_grad_bucket(node)
+                    slots.append((gm.get_parameter(node.target), slot.group, slot.offset, slot.numel))
+        return slots
+
+    def _make_holder(self, masters: dict[int, torch.Tensor]) -> Holder:
+        plan = self.plan
+        layouts = layouts_from_slots(self._slots(), plan.dp, self.coords["dp"])
+        # Each group completes with the last backward, on this rank, of a stage that reads it: that
+        # stage arms it, and groups launch in the order their stages finish (then by group id).
+        finish = self.schedule.stages_by_last_backward(self.coords["pp"]) if self.schedule else [0]
+        owner = {}
+        for g, layout in layouts.items():
+            reading = self.compiled.stages_of[id(layout.params[0])]
+            owner[g] = max((s for s in reading if s in finish), key=finish.index, default=finish[-1])
+        order = sorted(layouts, key=lambda g: (finish.index(owner[g]), g))
+        initial = {g: lay.own(lay.flatten(torch.float32, masters)).clone() for g, lay in layouts.items()}
+        initial = initial if masters else None
+        groups = Groups(layouts, order, owner)
+        if plan.zero == 3:
+            return Zero3Holder(groups, self.comm, plan.offload, initial)
+        if plan.zero in (1, 2):
+            return ShardedHolder(groups, self.comm, plan.zero, plan.offload, initial)
+        return ReplicatedHolder(groups, self.comm)
+
+    def _make_optimizer(self, factory: Callable[[Any], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        compiled = self.compiled
+        if self.holder.masters is None:  # the parameters themselves: the user's factory, as written
+            return make_optimizer(factory, compiled.model.parameters())
+        groups: list[list[torch.Tensor]] = [[] for _ in compiled.template.param_groups]
+        for g in self.holder.order:
+            index = compiled.opt_groups.get(id(self.holder.layouts[g].params[0]))
+            if index is not None:  # a group the user's optimizer leaves out is not stepped
+                groups[index].append(self.holder.masters.tensors[g])
+        return optimizer_like(compiled.template, groups)
+
+    def _make_runner(self) -> PipelineRunner:
+        coords, schedule = self.coords, self.schedule
+        inputs = [n for n in self.compiled.captured.gm.graph.nodes if n.op == "placeholder"]
+        return PipelineRunner(
+            stages=self.stages,
+            schedule=schedule,
+            pp_rank=coords["pp"],
+            peer=lambda stage: self.mesh.rank_of(pp=schedule.rank_of(stage), dp=coords["dp"], tp=coords["tp"]),
+            channel=self.channel,
+            input_shapes=[next(iter(get_shape(n).tensors), None) for n in inputs],
+            group=self.p2p_group,
+            max_slots=max(len(s.send) for s in self.compiled.stages),
+            comm=self.comm,
+            device=self.device,
+        )
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self, flat: list[torch.Tensor]) -> float:
+        if self.optimizer is None:
+            raise InputError(
+                "step() needs an optimizer: compile(..., optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))"
+            )
+        start = time.perf_counter()
+        holder, plan = self.holder, self.plan
+        if self.runner is None:
+            holder.begin(armed=True)
+            loss = self.graphs[0](*flat)[0]
+            loss.backward()
+            loss = loss.detach()
+        else:
+            holder.begin(armed=False)
+            total = self.runner.run(flat, holder.arm)
+            loss = None if total is None else total / plan.microbatches
+        holder.end()
+        self._sum_over_model()
+        counted = holder.grad_views(self._counts_in_norm)
+        scaled = holder.grad_views(lambda p: True)
+        if plan.max_grad_norm is not None:
+            self.last_grad_norm = clip_by_global_norm(counted, scaled, plan.max_grad_norm, self._sum_all, self.device)
+        # The loss of the last stage's ranks (tp rank 0 counts it once), summed over every rank while
+        # the optimizer steps: the mean over dp.
+        last_stage = self.coords["pp"] == plan.pp - 1 and self.coords["tp"] == 0
+        self._loss.fill_(0.0)
+        if loss is not None and last_stage:
+            self._loss += loss.double()
+        work = dist.all_reduce(self._loss, async_op=True) if dist.is_initialized() else None
+        if holder.masters is not None:
+            holder.masters.set_grads(holder.grad_shards)
+        self.last_step_memory = self.memory()
+        self.optimizer.step()
+        holder.after_step()
+        if work is not None:
+            work.wait()
+        self.step_seconds = time.perf_counter() - start
+        return self._loss.item() / plan.dp
+
+    def _counts_in_norm(self, param: nn.Parameter) -> bool:
+        return self.placement_of[id(param)].counts_in_norm(self.coords, self.holder.dp_sharded)
+
+    def _sum_all(self, tensor: torch.Tensor) -> None:
+        if dist.is_initialized():
+            dist.all_reduce(tensor)
+
+    def _sum_over_model(self) -> None:
+        """Gradients that are partial along tp, or split over tied copies on other pipeline ranks, summed."""
+        if self.tp is not None and self.partial:
+            self.tp.sum_each_(self.holder.grad_views(lambda p: id(p) in self.partial))
+        for g in self.holder.order:
+            placement = self.placement_of[id(self.holder.layouts[g].params[0])]
+            if placement.tied:
+                grad = self.holder.group_grad(g)
+                self.comm.all_reduce(grad, group=self.ties[placement.pp.ranks])
+
+    def memory(self) -> dict[str, int]:
+        memory = self.holder.memory()
+        masters = self.holder.masters.nbytes() if self.holder.masters is not None else 0
+        memory["optimizer"] = optimizer_state_bytes(self.optimizer) + masters
+        return memory
