@@ -17,7 +17,22 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["LocalRanks", "RankFailure"]
+__all__ = ["LocalRanks", "RankFailure", "init_from_torchrun"]
+
+
+def init_from_torchrun(timeout: timedelta | None = None) -> Any:
+    """Under torchrun: join the process group (NCCL with a GPU per rank, gloo on CPU) and return this
+    rank's device (``cuda:LOCAL_RANK`` or ``cpu``). Build the model there before compiling."""
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
+    return device
 
 
 class RankFailure(RuntimeError):

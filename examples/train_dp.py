@@ -2,20 +2,21 @@
 
     torchrun --nproc-per-node 4 examples/train_dp.py --steps 20
 
-gloo on CPU, NCCL when every rank has a GPU. Each rank builds the same model (same seed),
-autoshard.compile captures and plans it, and program.step trains on this rank's slice of the batch.
+gloo on CPU, NCCL when every rank has a GPU (autoshard.launch.init_from_torchrun). Each rank builds
+the same model (same seed), autoshard.compile captures and plans it, and program.step trains on this
+rank's slice of the batch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
+from autoshard.launch import init_from_torchrun
 
 
 def main() -> None:
@@ -25,11 +26,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = init_from_torchrun()  # NCCL and cuda:LOCAL_RANK with GPUs, gloo on CPU
 
     torch.manual_seed(0)
     model = TinyGPT().to(device)

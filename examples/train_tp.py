@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
+from autoshard.launch import init_from_torchrun
 
 
 def main() -> None:
@@ -28,16 +29,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    device = init_from_torchrun()  # NCCL and cuda:LOCAL_RANK with GPUs, gloo on CPU
     world = dist.get_world_size()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().to(device)
     gen = torch.Generator().manual_seed(1)  # every rank draws the same global batches
 
     def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+        tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(device)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     ids, target = global_batch()
