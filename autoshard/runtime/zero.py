@@ -105,8 +105,12 @@ class Zero3Runtime(nn.Module):
         self._versions = dict.fromkeys(layouts, 0)
         self.grad_flats: dict[int, torch.Tensor | None] = dict.fromkeys(layouts)
         self.armed: set[int] = set()
-        self.reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        self.reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []  # launched, not waited for
+        self.done_shards: dict[int, torch.Tensor] = {}  # waited for: this rank's gradient shard per group
         self.peak_gathered_bytes = 0
+        # Native collectives run asynchronously: prefetch and keep a reduction in flight. On gloo the
+        # in-place path (no full-size temporaries) completes when called, so neither would overlap.
+        self.overlap = not comm.reduces_in_place()
 
     def gathered_bytes(self) -> int:
         return sum(f.untyped_storage().nbytes() for f in self.fulls.values())
@@ -117,7 +121,9 @@ class Zero3Runtime(nn.Module):
         # Refilling a buffer that autograd saved is safe here: nothing read it since it was freed.
         # The backend may copy into it at any time until wait(), so _wait restores this version.
         self._versions[group] = full._version
-        self._pending[group] = self.comm.all_gather(full, self.shards[group].detach(), async_op=True)
+        own = self.layouts[group].own(full)
+        own.copy_(self.shards[group].detach())
+        self._pending[group] = self.comm.all_gather(full, own, async_op=True, in_place=True)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _wait(self, group: int) -> None:
@@ -133,6 +139,8 @@ class Zero3Runtime(nn.Module):
         self._gathered[group] = True
 
     def prefetch(self, group: int | None) -> None:
+        if not self.overlap:
+            return  # collectives that complete when called (gloo, in place): gathering early only costs memory
         if group is not None and not self._gathered[group] and group not in self._pending:
             self._launch(group)
 
@@ -153,17 +161,27 @@ class Zero3Runtime(nn.Module):
         if group in self.armed:
             flat.div_(self.dp)
             out = flat.new_empty(layout.shard_numel)
-            self.reductions.append((group, self.comm.reduce_scatter(out, flat, async_op=True), out, flat))
+            # At most two reductions in flight: waiting for the older one frees its full-size input
+            # while backward goes on (FSDP's bound on unsharded gradients).
+            self._retire(keep=1)
+            work = self.comm.reduce_scatter(out, flat, async_op=True, in_place=True)
+            self.reductions.append((group, work, out, flat))
+            if not self.overlap:
+                self._retire(keep=0)
             self.grad_flats[group] = None
         self.free(group)
 
+    def _retire(self, keep: int) -> None:
+        while len(self.reductions) > keep:
+            group, work, out, _flat = self.reductions.pop(0)
+            work.wait()
+            done = self.done_shards.get(group)
+            self.done_shards[group] = out if done is None else done.add_(out)
+
     def wait_reductions(self) -> dict[int, torch.Tensor]:
         """Every launched reduce-scatter, waited for: group -> this rank's gradient shard."""
-        shards: dict[int, torch.Tensor] = {}
-        for group, work, out, _flat in self.reductions:
-            work.wait()
-            shards[group] = out if group not in shards else shards[group].add_(out)
-        self.reductions.clear()
+        self._retire(keep=0)
+        shards, self.done_shards = self.done_shards, {}
         for group in self.layouts:  # prefetched in backward but not needed any more
             if self._gathered[group] or group in self._pending:
                 self.free(group)
