@@ -66,6 +66,7 @@ def test_every_strategy_composes_offline(gpt2_case) -> None:
     # GPT-2's tied embedding and head: held by the first and the last pipeline rank, sharded over dp and tp.
     tied = last.placements["lm_head.weight"]
     assert (str(tied["pp"]), str(tied["dp"]), str(tied["tp"])) == ("@0,1", "S(0)", "S(0)")
+    assert str(program.placements["lm_head.weight"]) == "lm_head.weight (64, 32): pp @0,1, dp S(0), tp S(0)"
     assert "autoshard_runtime_zero_gather" in last.graph_code() and "pipeline_recv" in last.graph_code()
     assert "tied across pipeline ranks [0, 1]" in program.explain()
 
