@@ -88,6 +88,25 @@ def _resolve_plan(plan: Any) -> dict[str, Any]:
     raise PlanError(f'plan must be "auto", an autoshard.Plan, or a dict of Plan fields, got {plan!r}')
 
 
+def _refuse_data_dependent_sizes(model_name: str, cost: ModelCost, example_sizes: dict[str, int]) -> None:
+    """Sizes read from tensor values (``.tolist()``, ``.item()``, ``nonzero``) cannot be planned for."""
+    data_dependent = [s for s in cost.symbols if s not in example_sizes]
+    if not data_dependent:
+        return
+    layers = [
+        lc.name
+        for lc in cost.layers
+        if any(s.name in data_dependent for e in (lc.flops_fwd, lc.activation_bytes) for s in e.free_symbols)
+    ]
+    raise PlanError(
+        f"{model_name}'s cost depends on sizes known only from the data ({', '.join(data_dependent[:6])}"
+        f"{', ...' if len(data_dependent) > 6 else ''}: .tolist(), .item() or nonzero sizing tensors, in "
+        f"{', '.join(layers[:4]) or 'the graph'}); the planner sizes every tensor by the batch and sequence, "
+        f"so this version does not compile such models (e.g. MoE layers that route tokens by computed counts): "
+        f"compute fixed-size routing (every expert on every token, masked) to compile it"
+    )
+
+
 def _check_batch(batch: int, dp: int) -> None:
     if batch % dp:
         raise InputError(
@@ -203,6 +222,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(gm.graph.nodes))
     results = passes.analyze(gm, captured.rename)
     cost = summarize(gm)
+    _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
     report = choose_plan(resolved, overrides, cost, sizes, device or DeviceSpec())
     chosen = report.winner
     _check_batch(sizes["B"], chosen.dp)

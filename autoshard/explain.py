@@ -127,4 +127,7 @@ def _tensor_parallel(program: Any) -> list[str]:
     if report.unruled:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.unruled.items()))
         lines.append(f"  ops without a sharding rule (inputs replicated): {ops}")
+    if report.fallbacks:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(report.fallbacks.items()))
+        lines.append(f"  ops whose rule found no valid placement (replicated): {ops}")
     return lines

@@ -56,6 +56,7 @@ class Decision:
     want: dict[fx.Node, Placement] = field(default_factory=dict)
     note: str = ""  # for people
     bias: str = ""  # a row-parallel matmul's bias: meta.BIAS_AFTER_REDUCE or meta.BIAS_SPLIT
+    fallback: bool = False  # the rule's answer named a dimension its tensors lack; replicated instead
 
 
 @dataclass
@@ -321,8 +322,12 @@ def _getitem(ctx: RuleInput) -> Decision:
 
 
 def _cat(ctx: RuleInput) -> Decision:
-    tensors = ctx.node.args[0]
     nd = len(ctx.out_sizes())
+    # cat skips 1-D empty tensors of any other rank (the legacy ``torch.cat([torch.tensor([]), k], -2)``
+    # of a key/value cache): they hold nothing to shard and stay as they are.
+    tensors = [t for t in ctx.node.args[0] if not (ctx.ndim(t) != nd and ctx.sizes(t) == (0,))]
+    if any(ctx.ndim(t) != nd for t in tensors):
+        return replicate_all(ctx)
     dim = norm_dim(ctx.arg(1, "dim", 0), nd)
     placements = [ctx.p(t) for t in tensors]
     if all(isinstance(p, Partial) for p in placements):

@@ -29,7 +29,9 @@ sequence parallelism the weights are the same; a final propagation prefers reduc
 Partial value over the sequence wherever its reader works on sequence shards (norms, dropout,
 residual adds), and the next column-parallel region all-gathers it.
 
-An op with no rule gets its inputs replicated; the report lists those ops.
+An op with no rule gets its inputs replicated; the report lists those ops. So does an op whose rule
+answers with a shard its tensors do not have (a dimension past their rank): it is replicated, and the
+report lists it under ``fallbacks``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class TpReport:
     weights: dict[str, Placement] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)  # weight target -> why it stays whole
     unruled: dict[str, int] = field(default_factory=dict)  # op -> how many nodes
+    fallbacks: dict[str, int] = field(default_factory=dict)  # op -> nodes whose rule chose an impossible shard
     partial_grad_params: tuple[str, ...] = ()  # replicated weights summed over tp after backward (tp_rewrite)
     redistributions: list[Redistribution] = field(default_factory=list)
 
@@ -138,6 +141,9 @@ def _propagate(
             decision = rule(ctx) if rule is not None else replicate_all(ctx)
             if sequence_parallel:
                 decision = _on_sequence_shards(ctx, rule, decision)
+            if not _valid(node, decision):
+                fallback = replicate_all(ctx)
+                decision = Decision(fallback.out, fallback.want, FALLBACK, fallback=True)
             reads[node] = {a: decision.want.get(a, seen.get(a, R)) for a in node.all_input_nodes}
             for source, dst in decision.want.items():
                 src = ctx.p(source)
@@ -151,6 +157,36 @@ def _propagate(
             continue
         seen[node] = out[node]
     return _Propagation(out, decisions, wants, reads)
+
+
+FALLBACK = "no valid placement from its rule: replicated"
+
+
+def _ndims(node: fx.Node) -> list[int | None]:
+    """The rank of each tensor a node makes (None for a non-tensor output)."""
+    shape = get_shape(node)
+    if shape.scalar is not None:
+        return []
+    return [None if t is None else len(t.sizes) for t in shape.tensors]
+
+
+def _fits_rank(placement: object, ndim: int | None) -> bool:
+    return not isinstance(placement, Shard) or (ndim is not None and 0 <= placement.dim < ndim)
+
+
+def _valid(node: fx.Node, decision: Decision) -> bool:
+    """Whether every shard a rule chose names a dimension its tensor has (a rule's blind spot otherwise)."""
+    ranks = _ndims(node)
+    outs = decision.out if isinstance(decision.out, tuple) else (decision.out,) * max(len(ranks), 1)
+    if any(isinstance(p, Shard) for p in outs) and len(outs) != len(ranks):
+        return False
+    if not all(_fits_rank(p, nd) for p, nd in zip(outs, ranks)):
+        return False
+    for source, placement in decision.want.items():
+        ranks = _ndims(source)
+        if isinstance(placement, Shard) and (len(ranks) != 1 or not _fits_rank(placement, ranks[0])):
+            return False
+    return True
 
 
 def _on_sequence_shards(ctx: RuleInput, rule: object, decision: Decision) -> Decision:
@@ -387,6 +423,9 @@ def run(
             if not has_rule:
                 name = str(node.target)
                 report.unruled[name] = report.unruled.get(name, 0) + 1
+            elif decision.fallback:
+                name = str(node.target)
+                report.fallbacks[name] = report.fallbacks.get(name, 0) + 1
             node.meta[TP] = TpPlacement(
                 out=prop.out[node],
                 inputs=tuple(inputs.get(a, R) for a in node.all_input_nodes),
@@ -408,6 +447,8 @@ def run(
         f"{dict(sorted(kinds.items())) or 'none'}; {sum(report.unruled.values())} nodes of "
         f"{len(report.unruled)} ops without a rule (replicated)"
     )
+    if report.fallbacks:
+        summary += f"; {sum(report.fallbacks.values())} nodes replicated where their rule found no valid placement"
     return PassResult("tp_placement", False, summary, value=report)
 
 
