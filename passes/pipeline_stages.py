@@ -46,8 +46,26 @@ __all__ = ["CHANNEL_ATTR", "PASS", "StageGraph", "run"]
 CHANNEL_ATTR = "pipe"
 
 
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an in-place op writes into ``node`` or a view of it: a copy of its ancestors misses the write."""
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if _mutates(user):
+                return True
+            if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
 def _free_to_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    """Whether ``node`` depends on the graph inputs alone, through ops with no gradient, FLOPs or randomness."""
+    """Whether ``node`` depends on the graph inputs alone, through ops with no gradient, FLOPs, randomness
+    or writes in place (``shifted[:, 1:] = labels[:, :-1]`` leaves no data edge to the value it changes)."""
     if node in memo:
         return memo[node]
     if node.op == "placeholder":
@@ -62,6 +80,8 @@ def _free_to_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
             not get_shape(node).requires_grad
             and get_cost(node).flops_fwd == 0
             and torch.Tag.nondeterministic_seeded not in tags
+            and not _mutates(node)
+            and not _written_in_place(node)
             and all(_free_to_recompute(arg, memo) for arg in node.all_input_nodes)
         )
     memo[node] = result

@@ -163,7 +163,11 @@ class _Rewriter:
 
     def _partial_grad_readers(self, source: fx.Node) -> bool:
         """Whether everything reading ``source`` whole (through views) makes a sharded or partial result."""
-        readers = [u for u in source.users if dict(zip(u.all_input_nodes, get_tp(u).inputs)).get(source) == R]
+        readers = [
+            u
+            for u in source.users
+            if u.op == "call_function" and dict(zip(u.all_input_nodes, get_tp(u).inputs)).get(source) == R
+        ]
         return bool(readers) and all(self._partial_grad_reader(u) for u in readers)
 
     def _partial_grad_reader(self, node: fx.Node, depth: int = 0) -> bool:
