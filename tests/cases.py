@@ -5,6 +5,7 @@ Everything here is importable by the spawned worker processes (tests/ is on thei
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,10 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if family.startswith("hf:"):  # any family of tests/hf_families.py, e.g. "hf:qwen2:causal"
+        import hf_families
+
+        return hf_families.build(hf_families.by_name(family.removeprefix("hf:")), seed)[2]
     layers = shape.get("layers", 2)
     if family == "gpt2":
         cfg = transformers.GPT2Config(
@@ -112,7 +117,8 @@ def build_case(family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_B
         else:
             ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
             kwargs: dict[str, Any] = {"labels": ids.clone()}
-            if family in ("gpt2", "llama"):
+            takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+            if family in ("gpt2", "llama") or family.startswith("hf:") and takes_cache:
                 kwargs["use_cache"] = False
             batches.append(Batch(inputs=(ids,), kwargs=kwargs))
     return Case(model=model, batches=batches, loss_fn=cross_entropy if family == "mlp" else None)
