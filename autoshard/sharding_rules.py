@@ -111,6 +111,33 @@ def _is_tensor(node: fx.Node) -> bool:
     return shape.scalar is None and len(shape.tensors) == 1 and shape.tensors[0] is not None
 
 
+def _ndims(node: fx.Node) -> list[int | None]:
+    """The rank of each tensor a node makes (None for a non-tensor output)."""
+    shape = get_shape(node)
+    if shape.scalar is not None:
+        return []
+    return [None if t is None else len(t.sizes) for t in shape.tensors]
+
+
+def _fits_rank(placement: object, ndim: int | None) -> bool:
+    return not isinstance(placement, Shard) or (ndim is not None and 0 <= placement.dim < ndim)
+
+
+def fits_ranks(node: fx.Node, decision: Decision) -> bool:
+    """Whether every shard a rule chose names a dimension its tensor has (a rule's blind spot otherwise)."""
+    ranks = _ndims(node)
+    outs = decision.out if isinstance(decision.out, tuple) else (decision.out,) * max(len(ranks), 1)
+    if any(isinstance(p, Shard) for p in outs) and len(outs) != len(ranks):
+        return False
+    if not all(_fits_rank(p, nd) for p, nd in zip(outs, ranks)):
+        return False
+    for source, placement in decision.want.items():
+        ranks = _ndims(source)
+        if isinstance(placement, Shard) and (len(ranks) != 1 or not _fits_rank(placement, ranks[0])):
+            return False
+    return True
+
+
 def norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 

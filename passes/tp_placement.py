@@ -45,7 +45,7 @@ from autoshard.meta import SHAPE, TP, TpPlacement, get_shape
 from autoshard.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
 from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.sharding_compute_rules import matmul_dims
-from autoshard.sharding_rules import RULES, Decision, RuleInput, replicate_all, sequence_dim
+from autoshard.sharding_rules import RULES, Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
 
 from .infra import Need, Pass, PassResult
 
@@ -141,7 +141,7 @@ def _propagate(
             decision = rule(ctx) if rule is not None else replicate_all(ctx)
             if sequence_parallel:
                 decision = _on_sequence_shards(ctx, rule, decision)
-            if not _valid(node, decision):
+            if not fits_ranks(node, decision):
                 fallback = replicate_all(ctx)
                 decision = Decision(fallback.out, fallback.want, FALLBACK, fallback=True)
             reads[node] = {a: decision.want.get(a, seen.get(a, R)) for a in node.all_input_nodes}
@@ -160,33 +160,6 @@ def _propagate(
 
 
 FALLBACK = "no valid placement from its rule: replicated"
-
-
-def _ndims(node: fx.Node) -> list[int | None]:
-    """The rank of each tensor a node makes (None for a non-tensor output)."""
-    shape = get_shape(node)
-    if shape.scalar is not None:
-        return []
-    return [None if t is None else len(t.sizes) for t in shape.tensors]
-
-
-def _fits_rank(placement: object, ndim: int | None) -> bool:
-    return not isinstance(placement, Shard) or (ndim is not None and 0 <= placement.dim < ndim)
-
-
-def _valid(node: fx.Node, decision: Decision) -> bool:
-    """Whether every shard a rule chose names a dimension its tensor has (a rule's blind spot otherwise)."""
-    ranks = _ndims(node)
-    outs = decision.out if isinstance(decision.out, tuple) else (decision.out,) * max(len(ranks), 1)
-    if any(isinstance(p, Shard) for p in outs) and len(outs) != len(ranks):
-        return False
-    if not all(_fits_rank(p, nd) for p, nd in zip(outs, ranks)):
-        return False
-    for source, placement in decision.want.items():
-        ranks = _ndims(source)
-        if isinstance(placement, Shard) and (len(ranks) != 1 or not _fits_rank(placement, ranks[0])):
-            return False
-    return True
 
 
 def _on_sequence_shards(ctx: RuleInput, rule: object, decision: Decision) -> Decision:
