@@ -144,3 +144,26 @@ def test_validator_accepts_exactly_the_valid_orders(shape, name: str, data) -> N
     except ScheduleError:
         accepted = False
     assert accepted == _runs_without_deadlock(schedule)
+
+
+# One refused schedule per check of the validator, each breaking that rule only (a broken rule 2 would
+# also deadlock, so only the rule named in the message shows that rule 2 itself refused it).
+BROKEN = {
+    "rule 1: ranks for pp": (Schedule("custom", 2, 1, 1, ((Action(0, "F", 0), Action(0, "B", 0)),)), 1),
+    "rule 1: not in this pipeline": ("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1B0 1F1 1B1", 1),
+    "rule 1: wrong rank": ("rank 0: 0F0 0B0 1F0\nrank 1: 1B0", 1),
+    "rule 1: twice": ("rank 0: 0F0 0F0 0B0\nrank 1: 1F0 1B0", 1),
+    "rule 1: never runs": ("rank 0: 0F0 0B0\nrank 1: 1F0", 1),
+    "rule 2: backward first": ("rank 0: 0F0 0B0\nrank 1: 1B0 1F0", 2),
+    "rule 2: backward first, earlier stage": ("rank 0: 0B0 0F0\nrank 1: 1F0 1B0", 2),
+    "rule 3: deadlock": ("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0", 3),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_each_rule_refuses_its_own_broken_schedule(case: str) -> None:
+    schedule, rule = BROKEN[case]
+    if isinstance(schedule, str):  # microbatches fixed at 1 where the schedule names a microbatch beyond it
+        schedule = Schedule.parse(schedule, microbatches=1 if "pipeline" in case else None)
+    with pytest.raises(ScheduleError, match=f"^rule {rule}: "):
+        schedule.validate()
