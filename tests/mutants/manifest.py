@@ -1,0 +1,363 @@
+"""The planted bugs of tests/mutants/: each ``NN_name.patch`` changes ``file``; ``tests`` (with ``-k k``)
+must catch it. Keep them current: ``python tests/mutants/run.py --check`` says which no longer apply."""
+
+from __future__ import annotations
+
+MUTANTS: list[dict] = [
+    {
+        "name": "01_zero3_free_point_in_user_order",
+        "file": "passes/zero3_gather_free.py",
+        "why": (
+            "ZeRO-3 frees a group after the last consumer in user order, not the latest in the graph: a "
+            "module called twice in a layer (or a weight shared with a later layer) is freed before its last"
+            " use"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "gathers_each_layer or (test_every_strategy and zero3)",
+    },
+    {
+        "name": "02_clip_coefficient_not_clamped",
+        "file": "autoshard/runtime/optim.py",
+        "why": "clipping scales gradients up when the norm is already under the limit",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "clipping and above",
+    },
+    {
+        "name": "03_conv_flops_without_input_channels",
+        "file": "passes/cost_model.py",
+        "why": "a convolution's FLOPs leave out the input channels per group",
+        "tests": ["tests/test_flops.py"],
+        "k": "conv",
+    },
+    {
+        "name": "04_bf16_masters_from_rounded_weights",
+        "file": "autoshard/runtime/rank.py",
+        "why": "fp32 masters start from the bf16-rounded parameters instead of the fp32 originals",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "bf16",
+    },
+    {
+        "name": "05_dp_gradients_not_divided_by_dp",
+        "file": "autoshard/runtime/holders.py",
+        "why": ("data parallel sums the ranks' gradients instead of averaging them (Adam hides the factor dp)"),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and dp2",
+    },
+    {
+        "name": "06_zero12_gradients_not_divided_by_dp",
+        "file": "autoshard/runtime/holders.py",
+        "why": "ZeRO-1/2 reduce-scatter sums the ranks' gradients instead of averaging them",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and zero1",
+    },
+    {
+        "name": "07_zero3_gradients_not_divided_by_dp",
+        "file": "autoshard/runtime/zero.py",
+        "why": "ZeRO-3 reduce-scatter sums the ranks' gradients instead of averaging them",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and zero3",
+    },
+    {
+        "name": "08_pipeline_loss_not_scaled_by_microbatches",
+        "file": "autoshard/runtime/pipeline.py",
+        "why": ("the pipeline sums the microbatches' gradients instead of averaging them (the loss is still averaged)"),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and pp2",
+    },
+    {
+        "name": "09_zero_shard_offset_ignores_padding",
+        "file": "autoshard/runtime/flat.py",
+        "why": (
+            "a rank's ZeRO shard starts at rank x numel/dp, wrong whenever the group is padded to a multiple of dp"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and zero1",
+    },
+    {
+        "name": "10_addmm_column_and_row_swapped",
+        "file": "autoshard/sharding_compute_rules.py",
+        "why": "addmm's weight is read as W[out, in] (linear's layout): column- and row-parallel swapped",
+        "tests": ["tests/test_rules_matmul.py"],
+        "k": "addmm",
+    },
+    {
+        "name": "11_schedule_rule2_removed",
+        "file": "autoshard/schedules.py",
+        "why": (
+            "the validator no longer checks rule 2 (forward before backward); the deadlock check refuses "
+            "such schedules under another rule"
+        ),
+        "tests": ["tests/test_schedules.py"],
+        "k": "each_rule",
+    },
+    {
+        "name": "12_zero12_last_group_not_gathered",
+        "file": "autoshard/runtime/holders.py",
+        "why": (
+            "after the sharded step the last flat group is not all-gathered: other ranks' updates of it never arrive"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and zero1",
+    },
+    {
+        "name": "13_masters_not_written_back",
+        "file": "autoshard/runtime/holders.py",
+        "why": (
+            "separate fp32 masters (bf16 parameters, offload) are stepped but never copied back into the parameters"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "bf16",
+    },
+    {
+        "name": "14_zero1_gradient_buffer_not_zeroed",
+        "file": "autoshard/runtime/holders.py",
+        "why": (
+            "ZeRO-1 keeps its full gradient buffer between steps but no longer zeroes it, so each step adds "
+            "the last one's gradients"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and zero1",
+    },
+    {
+        "name": "15_loss_not_averaged_over_dp",
+        "file": "autoshard/runtime/rank.py",
+        "why": "step() returns the sum of the dp ranks' losses instead of their mean",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and dp2",
+    },
+    {
+        "name": "16_loss_counted_on_every_tp_rank",
+        "file": "autoshard/runtime/rank.py",
+        "why": "the returned loss counts every tp rank's copy of it",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and tp2",
+    },
+    {
+        "name": "17_norm_counts_every_dp_replica",
+        "file": "autoshard/runtime/rank.py",
+        "why": "the global norm counts each rank's copy of a replicated gradient",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "clipping and dp2",
+    },
+    {
+        "name": "18_zero3_backward_does_not_regather",
+        "file": "autoshard/runtime/zero.py",
+        "why": "ZeRO-3 backward runs an op's backward without gathering its freed parameters again",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and zero3",
+    },
+    {
+        "name": "19_zero3_free_keeps_gathered_flag",
+        "file": "autoshard/runtime/zero.py",
+        "why": "freeing a ZeRO-3 group leaves it marked gathered, so backward reads the released buffer",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and zero3",
+    },
+    {
+        "name": "20_global_norm_without_sqrt",
+        "file": "autoshard/runtime/optim.py",
+        "why": "the global gradient norm is the sum of squares, not its square root",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "clipping and dp2",
+    },
+    {
+        "name": "21_pipeline_arms_at_first_backward",
+        "file": "autoshard/runtime/pipeline.py",
+        "why": (
+            "a stage's gradient groups are armed before its first backward instead of its last: reduced "
+            "before every microbatch is in"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and dp2xpp2",
+    },
+    {
+        "name": "22_tp_copy_backward_not_reduced",
+        "file": "autoshard/runtime/tp.py",
+        "why": "Megatron's f (identity forward) no longer all-reduces the partial input gradients backward",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and tp2",
+    },
+    {
+        "name": "23_vocab_cross_entropy_gradient_not_averaged",
+        "file": "autoshard/runtime/tp.py",
+        "why": ("the vocab-parallel cross-entropy's backward forgets the mean over tokens (Adam hides the factor)"),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and tp2",
+    },
+    {
+        "name": "24_vocab_embedding_range_off_by_one",
+        "file": "autoshard/runtime/tp.py",
+        "why": "the vocab-parallel embedding takes the first id of the next rank's rows as its own",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and tp2",
+    },
+    {
+        "name": "25_reduce_scatter_to_group_ranks",
+        "file": "autoshard/runtime/comm.py",
+        "why": (
+            "gloo's chunked reduce-scatter and all-gather address ranks by their index in the group, not "
+            "their global rank"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "test_every_strategy and dp2xtp2",
+    },
+    {
+        "name": "26_norm_counts_tp_replicas",
+        "file": "autoshard/placements.py",
+        "why": "the global norm counts a tp-replicated weight's gradient on every tp rank",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "clipping and tp2",
+    },
+    {
+        "name": "27_placeholders_require_grad",
+        "file": "passes/shape_prop.py",
+        "why": (
+            "shape_prop marks data inputs as needing gradients, so backward FLOPs count an input gradient "
+            "nobody computes"
+        ),
+        "tests": ["tests/test_flops.py"],
+        "k": None,
+    },
+    {
+        "name": "28_layer_name_drops_block_index",
+        "file": "passes/layer_assign.py",
+        "why": "layer names stop before a block's index, so every block of a ModuleList is one layer",
+        "tests": ["tests/test_pipeline_split.py"],
+        "k": "identical",
+    },
+    {
+        "name": "29_attention_flops_query_width_twice",
+        "file": "passes/cost_model.py",
+        "why": "attention FLOPs use the query width for the value product too",
+        "tests": ["tests/test_flops.py"],
+        "k": "attention",
+    },
+    {
+        "name": "30_addmm_flops_contract_over_the_bias",
+        "file": "passes/cost_model.py",
+        "why": "addmm/baddbmm FLOPs read the operands one place early (the bias as the left factor)",
+        "tests": ["tests/test_flops.py"],
+        "k": "bmm or products",
+    },
+    {
+        "name": "31_row_parallel_never_chosen",
+        "file": "passes/tp_placement.py",
+        "why": ("the search never recognises a linear fed sharded features, so no weight becomes row-parallel"),
+        "tests": ["tests/test_tp.py"],
+        "k": "megatron_style or fused_qkv",
+    },
+    {
+        "name": "32_view_sizes_not_made_local",
+        "file": "passes/tp_rewrite.py",
+        "why": "literal sizes in views keep their global value on sharded dimensions (heads x head_dim)",
+        "tests": ["tests/test_tp.py"],
+        "k": "megatron_style",
+    },
+    {
+        "name": "33_sequence_parallel_bias_not_split",
+        "file": "passes/tp_rewrite.py",
+        "why": (
+            "under sequence parallelism a row-parallel bias is added whole on every rank, then reduce-"
+            "scattered: tp times the bias"
+        ),
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "first_update and tp2-sp",
+    },
+    {
+        "name": "34_pipeline_cuts_least_balanced",
+        "file": "passes/pipeline_split.py",
+        "why": "the stage-cut search keeps the worst balanced cuts",
+        "tests": ["tests/test_pipeline_split.py"],
+        "k": "identical",
+    },
+    {
+        "name": "35_pipeline_sends_input_only_values",
+        "file": "passes/pipeline_stages.py",
+        "why": ("masks and positions computed from the inputs alone are sent across cuts instead of recomputed"),
+        "tests": ["tests/test_pipeline.py"],
+        "k": "stage_graphs_show_send_and_recv",
+    },
+    {
+        "name": "36_bucket_overfills_by_one_parameter",
+        "file": "passes/grad_buckets.py",
+        "why": "a gradient bucket is closed only once it is already over its size, so it exceeds bucket_mb",
+        "tests": ["tests/test_passes.py"],
+        "k": "buckets_partition",
+    },
+    {
+        "name": "37_zero3_groups_ignore_layers",
+        "file": "passes/zero_groups.py",
+        "why": "ZeRO-3 gathers the whole model as one group instead of one group per layer",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "gathers_each_layer",
+    },
+    {
+        "name": "38_pass_writes_checked_only_on_new_graphs",
+        "file": "passes/infra.py",
+        "why": ("the pass manager checks a pass's promised keys only on graphs it made, not on the graph it ran on"),
+        "tests": ["tests/test_passes.py"],
+        "k": "every_pass_declares",
+    },
+    {
+        "name": "39_view_split_shards_inner_dimension",
+        "file": "autoshard/sharding_rules.py",
+        "why": (
+            "a view that splits a sharded dimension puts the shard on the innermost part (head_dim) instead "
+            "of the outermost (heads)"
+        ),
+        "tests": ["tests/test_tp.py"],
+        "k": "megatron_style or fused_qkv",
+    },
+    {
+        "name": "40_fused_split_not_strided",
+        "file": "autoshard/sharding_rules.py",
+        "why": (
+            "a split into equal parts of a sharded value no longer asks for a strided shard: fused QKV gives"
+            " each rank wrong q, k, v"
+        ),
+        "tests": ["tests/test_tp.py"],
+        "k": "fused_qkv",
+    },
+    {
+        "name": "41_bmm_contraction_not_partial",
+        "file": "autoshard/sharding_compute_rules.py",
+        "why": ("bmm/matmul with the contracted dimension split claims a replicated result instead of partial sums"),
+        "tests": ["tests/test_rules_matmul.py"],
+        "k": "bmm or matmul",
+    },
+    {
+        "name": "42_attention_mask_per_head_inverted",
+        "file": "autoshard/sharding_compute_rules.py",
+        "why": ("attention asks for a mask shared by all heads to be sharded by heads, and a per-head mask whole"),
+        "tests": ["tests/test_rules_matmul.py"],
+        "k": "attention",
+    },
+    {
+        "name": "43_planner_zero2_keeps_full_gradients",
+        "file": "autoshard/planner.py",
+        "why": "the planner's memory model shards gradients only from ZeRO-3 on",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": None,
+    },
+    {
+        "name": "44_planner_misses_the_deepest_pipeline",
+        "file": "autoshard/planner.py",
+        "why": "the planner's factorizations leave out pp = world / tp (dp = 1)",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": None,
+    },
+    {
+        "name": "45_planner_fewest_microbatches",
+        "file": "autoshard/planner.py",
+        "why": ("the default microbatch count is the fewest that divide a rank's rows, not the most (up to 4 x pp)"),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": None,
+    },
+    {
+        "name": "46_schedule_dependency_in_the_same_step",
+        "file": "autoshard/schedules.py",
+        "why": ("the schedule simulation lets an action run in the same time step as the action it waits for"),
+        "tests": ["tests/test_schedules.py"],
+        "k": "bubble",
+    },
+]
