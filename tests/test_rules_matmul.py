@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from autoshard.passes import shape_prop
 from torch import fx, nn
 
+from autoshard import passes
 from autoshard.meta import BIAS_AFTER_REDUCE, BIAS_SPLIT
 from autoshard.placements import Partial, Replicate, Shard
 from autoshard.sharding_compute_rules import matmul_dims
@@ -40,7 +40,7 @@ def exported(fn: Any, *shapes: tuple[int, ...], ints: int = 0) -> tuple[fx.Node,
         for i, s in enumerate(shapes)
     )
     gm = torch.export.export(_Call(fn), args).graph_module
-    shape_prop.run(gm)
+    passes.shape_prop.run(gm)
     (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     return node, [n for n in gm.graph.nodes if n.op == "placeholder"]
 
