@@ -1,5 +1,6 @@
 """The planted bugs of tests/mutants/: each ``NN_name.patch`` changes ``file``; ``tests`` (with ``-k k``)
-must catch it. Keep them current: ``python tests/mutants/run.py --check`` says which no longer apply."""
+must catch it. Keep them current: ``python tests/mutants/run.py --check`` says which no longer apply.
+Make a patch with ``git diff -U1 -- FILE`` (one line of context, so it keeps applying as nearby code changes)."""
 
 from __future__ import annotations
 
