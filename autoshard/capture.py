@@ -7,7 +7,6 @@ names, prefixed ``model.``.
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 import traceback
@@ -21,6 +20,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from autoshard.capture_regions import inline_grad_regions, recording_checkpoints
 from autoshard.errors import AutoshardError, CaptureError, InputError
 
 __all__ = ["CallSpec", "Captured", "capture"]
@@ -234,85 +234,6 @@ def _dynamic_shapes(flat: list[torch.Tensor], batch: int, seq: int | None) -> tu
     return (tuple(specs),)
 
 
-def _subgraph_calls(gm: fx.GraphModule) -> list[fx.Node]:
-    """Calls that take a submodule's graph as an argument (torch.export's higher-order ops)."""
-
-    def is_subgraph(a: fx.Node) -> bool:
-        return a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)
-
-    return [n for n in gm.graph.nodes if n.op == "call_function" and any(map(is_subgraph, n.all_input_nodes))]
-
-
-def _inline_region(gm: fx.GraphModule, node: fx.Node, name: str) -> None:
-    """Replace ``wrap_with_set_grad_enabled(enabled, submodule, *args)`` by the submodule's nodes."""
-    graph = gm.graph
-    enabled, sub_node, *args = node.args
-    sub = getattr(gm, sub_node.target)
-    env: dict[fx.Node, Any] = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], args))
-
-    def lookup(x: Any) -> Any:
-        return env[x] if isinstance(x, fx.Node) else x
-
-    outputs: Any = ()
-    with graph.inserting_before(node):
-        for inner in sub.graph.nodes:
-            if inner.op == "placeholder":
-                continue
-            if inner.op == "output":
-                outputs = tuple(pytree.tree_map(lookup, inner.args[0]))
-                break
-            if inner.op == "get_attr":  # a nested region's submodule or a constant: lift it into gm
-                target = f"{sub_node.target}_{inner.target}".replace(".", "_")
-                setattr(gm, target, getattr(sub, inner.target))
-                env[inner] = graph.get_attr(target)
-                env[inner].meta.update(inner.meta)
-            else:
-                env[inner] = graph.node_copy(inner, lookup)
-        if not enabled:  # no gradient flows back out of a no-grad region
-            detached = []
-            for out in outputs:
-                val = out.meta.get("val") if isinstance(out, fx.Node) else None
-                if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex()):
-                    kept = {k: v for k, v in out.meta.items() if k in ("val", "nn_module_stack")}
-                    out = graph.call_function(torch.ops.aten.detach.default, (out,))
-                    out.meta.update(kept)
-                detached.append(out)
-            outputs = tuple(detached)
-    for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise CaptureError(f"autoshard could not capture {name}: {node.name} is read whole by {user.name}")
-        user.replace_all_uses_with(outputs[user.args[1]])
-        graph.erase_node(user)
-    graph.erase_node(node)
-    if not sub_node.users:
-        graph.erase_node(sub_node)
-        delattr(gm, sub_node.target)
-
-
-def _inline_grad_regions(gm: fx.GraphModule, name: str) -> None:
-    """Inline ``torch.no_grad()`` / ``torch.enable_grad()`` regions of the forward into the graph.
-
-    torch.export records them as ``wrap_with_set_grad_enabled(enabled, submodule, *args)``, whose
-    submodule the passes cannot see into. Inlined, a no-grad region's outputs are detached: the same
-    values, and no gradient flows back through them, as in eager. Other calls of subgraphs (control
-    flow) are refused.
-    """
-    set_grad = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-    for _ in range(64):  # regions nested in regions surface as the outer ones are inlined
-        calls = _subgraph_calls(gm)
-        if not calls:
-            return
-        for node in calls:
-            if node.target is not set_grad:
-                raise CaptureError(
-                    f"autoshard could not capture {name}: its graph calls {node.target} on a subgraph (control "
-                    f"flow or a wrapped region), which this version does not partition; make that part of the "
-                    f"forward plain tensor code"
-                )
-            _inline_region(gm, node, name)
-    raise CaptureError(f"autoshard could not capture {name}: grad-mode regions nested more than 64 deep")
-
-
 def _strip_export_wrapping(ep_module: fx.GraphModule, name: str = "the model") -> fx.GraphModule:
     """Plain flat calling convention: no pytree codegen, no input guards, no grad-mode regions."""
     graph = ep_module.graph
@@ -321,7 +242,7 @@ def _strip_export_wrapping(ep_module: fx.GraphModule, name: str = "the model") -
             graph.erase_node(node)
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(ep_module, graph, class_name="CapturedTrainingGraph")
-    _inline_grad_regions(gm, name)
+    inline_grad_regions(gm, name)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -381,9 +302,10 @@ def capture(
     try:
         for seq_attempt in attempts:
             try:
-                ep = torch.export.export(
-                    wrapper, (tuple(flat),), dynamic_shapes=_dynamic_shapes(flat, batch, seq_attempt), strict=False
-                )
+                with recording_checkpoints():
+                    ep = torch.export.export(
+                        wrapper, (tuple(flat),), dynamic_shapes=_dynamic_shapes(flat, batch, seq_attempt), strict=False
+                    )
                 seq = seq_attempt
                 break
             except Exception as err:  # noqa: BLE001 - reported below with the model's failing line

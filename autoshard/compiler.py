@@ -248,6 +248,12 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         results.append(run_pass(passes.tp_rewrite.PASS, gm, chosen.tp, chosen.sequence_parallel))
         tp_report.partial_grad_params = results[-1].value
     schedule = None
+    rows = sizes["B"] // chosen.dp
+    if chosen.pp == 1 and rows % chosen.microbatches:
+        raise PlanError(
+            f"microbatches={chosen.microbatches} (gradient accumulation) does not divide the {rows} rows each dp "
+            f"rank gets of the example batch; use a divisor of {rows}"
+        )
     if chosen.pp > 1:
         schedule = _schedule(chosen, sizes["B"] // chosen.dp)
         cuts = list(chosen.pp_cuts) if chosen.pp_cuts is not None else None
@@ -271,9 +277,10 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     if schedule is not None:
         results.append(run_pass(passes.pipeline_stages.PASS, gm, chosen.pp * chosen.virtual_stages))
         stages = results[-1].value
-    if chosen.zero == 3:
-        for graph in [s.gm for s in stages] or [gm]:
+    for graph in [s.gm for s in stages] or [gm]:
+        if chosen.zero == 3:
             results.append(run_pass(passes.zero3_gather_free.PASS, graph))
+        results.append(run_pass(passes.recompute.PASS, graph, chosen.recompute))
     placements = _placements(gm, model, chosen, stages_of, schedule, tp_report)
     log.info("plan %s: %s", chosen, report.reason)
     compiled = Compiled(

@@ -6,6 +6,7 @@ from typing import Any
 
 from autoshard.meta import LAYER, get_layer
 from autoshard.passes import tp_rewrite
+from autoshard.passes.infra import all_nodes
 from autoshard.placements import OnStages, Shard
 from autoshard.runtime import tp as tp_ops
 
@@ -113,7 +114,7 @@ def _tensor_parallel(program: Any) -> list[str]:
     lines.append("  collectives per layer:")
     for layer, counts in tp_rewrite.collectives_by_layer(gm).items():
         lines.append(f"    {layer:<30} " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    losses = [n for n in gm.graph.nodes if n.target is tp_ops.vocab_parallel_cross_entropy]
+    losses = [n for n in all_nodes(gm) if n.target is tp_ops.vocab_parallel_cross_entropy]
     if losses:
         lines.append(
             f"  vocab-parallel cross-entropy ({len(losses)}): per row, an all-reduce of the max logit and one of "

@@ -17,6 +17,9 @@ from torch import fx
 from autoshard.errors import MissingMetaError
 
 __all__ = [
+    "RECOMPUTE",
+    "USER_RECOMPUTE",
+    "RecomputeRegion",
     "BIAS_AFTER_REDUCE",
     "BIAS_SPLIT",
     "COST",
@@ -59,6 +62,8 @@ STAGE = "autoshard.stage"  # written by passes.pipeline_split
 PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
 TP = "autoshard.tp"  # written by passes.tp_placement
 TP_COMM = "autoshard.tp_comm"  # written by passes.tp_rewrite
+RECOMPUTE = "autoshard.recompute"  # written by passes.recompute
+USER_RECOMPUTE = "autoshard.user_recompute"  # written at capture: the model's own torch.utils.checkpoint regions
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
 PRODUCERS = {
@@ -74,6 +79,8 @@ PRODUCERS = {
     PIPE: "passes.pipeline_stages",
     TP: "passes.tp_placement",
     TP_COMM: "passes.tp_rewrite",
+    RECOMPUTE: "passes.recompute",
+    USER_RECOMPUTE: "autoshard.capture",
 }
 
 
@@ -167,6 +174,16 @@ class Zero3Gather:
     targets: tuple[str, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecomputeRegion:
+    """A region whose activations are recomputed in backward: its submodule, layer, size and kept inputs."""
+
+    name: str
+    layer: str
+    nodes: int
+    inputs: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.schedules import Schedule
 
-__all__ = ["SCHEDULES", "Plan", "is_mixed_precision"]
+__all__ = ["RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTE = ("none", "full", "selective")
 
 
 def is_mixed_precision(param_dtype: torch.dtype | None) -> bool:
@@ -36,7 +37,9 @@ class Plan:
     offload           keep optimizer state and its update on the CPU
     schedule          pipeline schedule (used when pp > 1): one of SCHEDULES, or a Schedule of your own
                       (autoshard.schedules.Schedule.parse("rank 0: 0F0 0B0 ...")), validated at compile
-    microbatches      microbatches per step (pipeline); each dp rank's batch must divide into them
+    microbatches      microbatches per step; each dp rank's batch must divide into them. With pp > 1 they fill
+                      the pipeline; with pp = 1 they are gradient accumulation (k forward/backward passes, one
+                      gradient synchronization)
     virtual_stages    stages per pipeline rank (interleaved 1F1B); the model is cut into pp * virtual_stages
     pp_cuts           names of the blocks (or graph nodes) that start stages 1.. (("transformer.h.6",)); None: balanced
     bucket_mb         size of a data-parallel gradient bucket in MiB
@@ -45,6 +48,10 @@ class Plan:
                       shards (needs zero >= 1). The model is converted in place. None: the model's dtype.
     sequence_parallel with tp > 1: layer norms, dropout and residual adds work on sequence shards, and the
                       all-reduces of tensor parallelism become all-gathers and reduce-scatters
+    recompute         activations recomputed in backward instead of kept: "none"; "full" (each block keeps only
+                      its input); "selective" (keep the outputs of matmuls with weights and of communication,
+                      recompute attention, norms, dropout and pointwise ops); or a tuple of block names (full
+                      recomputation of just those blocks)
     """
 
     dp: int = 1
@@ -60,6 +67,7 @@ class Plan:
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
     sequence_parallel: bool = False
+    recompute: str | tuple[str, ...] = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Schedule):
@@ -105,6 +113,14 @@ class Plan:
             raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"plan field sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if isinstance(self.recompute, (list, tuple)):
+            if not self.recompute or not all(isinstance(b, str) for b in self.recompute):
+                raise PlanError(f"plan field recompute={self.recompute!r} must name blocks (e.g. ('transformer.h.0',))")
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        elif self.recompute not in RECOMPUTE:
+            raise PlanError(
+                f"plan field recompute={self.recompute!r} must be one of {RECOMPUTE} or a tuple of block names"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
 
@@ -144,6 +160,8 @@ class Plan:
                 parts.append(f"virtual_stages={self.virtual_stages}")
             if self.pp_cuts is not None:
                 parts.append(f"pp_cuts={list(self.pp_cuts)}")
+        elif self.microbatches > 1:
+            parts.append(f"microbatches={self.microbatches}")
         parts.append(f"bucket={self.bucket_mb:g}MiB")
         if self.max_grad_norm is not None:
             parts.append(f"max_grad_norm={self.max_grad_norm:g}")
@@ -151,4 +169,6 @@ class Plan:
             parts.append(f"param_dtype={str(self.param_dtype).removeprefix('torch.')}")
         if self.sequence_parallel:
             parts.append("sequence_parallel")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
         return "Plan(" + ", ".join(parts) + ")"

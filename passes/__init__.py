@@ -17,6 +17,7 @@ from . import (
     layer_assign,
     pipeline_split,
     pipeline_stages,
+    recompute,
     shape_prop,
     tp_placement,
     tp_rewrite,
@@ -38,6 +39,7 @@ __all__ = [
     "layer_assign",
     "pipeline_split",
     "pipeline_stages",
+    "recompute",
     "run_pass",
     "shape_prop",
     "tp_placement",
@@ -56,6 +58,7 @@ ALL = (
     zero_groups.PASS,
     pipeline_stages.PASS,
     zero3_gather_free.PASS,
+    recompute.PASS,
 )
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "Pass",
     "PassResult",
     "Scope",
+    "all_nodes",
     "check_graph",
     "run_pass",
 ]
@@ -88,6 +89,15 @@ class Pass:
     reads: tuple[Need, ...]
     writes: tuple[Need, ...]
     run: Callable[..., PassResult]
+
+
+def all_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` and, in their place, those of the graphs it calls (recompute regions)."""
+    out = []
+    for node in gm.graph.nodes:
+        sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        out += all_nodes(sub) if isinstance(sub, fx.GraphModule) else [node]
+    return out
 
 
 def _missing(gm: fx.GraphModule, need: Need) -> fx.Node | None:

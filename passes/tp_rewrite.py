@@ -61,7 +61,7 @@ from autoshard.placements import Partial, Placement, Replicate, Shard
 from autoshard.runtime import tp as tp_ops
 from autoshard.sharding_compute_rules import matmul_dims
 
-from .infra import Need, Pass, PassResult, calls_to
+from .infra import Need, Pass, PassResult, all_nodes, calls_to
 
 __all__ = ["PASS", "RUNTIME_ATTR", "collectives_by_layer", "run"]
 
@@ -329,7 +329,7 @@ class _Rewriter:
 def collectives_by_layer(gm: fx.GraphModule) -> dict[str, dict[str, int]]:
     """The collectives this pass inserted, per layer: ``"<op> fwd"`` / ``"<op> bwd"`` -> how many."""
     out: dict[str, dict[str, int]] = {}
-    for node in gm.graph.nodes:
+    for node in all_nodes(gm):
         comm = node.meta.get(TP_COMM)
         if comm is None:
             continue

@@ -85,8 +85,8 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
     if family == "bert":
         cfg = transformers.BertConfig(
             num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, pad_token_id=0,
+            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=shape.get("dropout", 0.0),
+            attention_probs_dropout_prob=shape.get("dropout", 0.0), pad_token_id=0,
         )  # fmt: skip
         return transformers.BertForMaskedLM(cfg)
     if family == "vit":
@@ -552,3 +552,27 @@ def eval_logits(rank: int, world_size: int, family: str, mesh: dict[str, int], p
         "train_differs": not torch.allclose(logits(trained), logits(expected)),
         "state_unchanged": all(torch.equal(state_before[k], v) for k, v in state_after.items()),
     }
+
+
+def dp_reductions_per_step(
+    rank: int, world_size: int, family: str, mesh: dict[str, int], plan: dict[str, Any], **shape: Any
+) -> dict[str, Any]:
+    """Losses and state of any plan, and how often each step launched each gradient group's dp reduction."""
+    case = build_case(family, **shape)
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
+    holder = program.runtime.holder
+    launched: list[int] = []
+    launch = holder.launcher.launch
+
+    def counted(group: int) -> None:
+        launched.append(group)
+        launch(group)
+
+    holder.launcher.launch = counted
+    per_step: list[dict[int, int]] = []
+    losses: list[float] = []
+    for batch in case.batches:
+        launched.clear()
+        losses.extend(train_local_batches(program, Case(case.model, [batch], case.loss_fn), [])[0])
+        per_step.append({g: launched.count(g) for g in sorted(set(launched))})
+    return {"losses": losses, "state": program.full_state_dict(), "launches": per_step, "groups": len(holder.order)}

@@ -65,7 +65,12 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.lint()
-    return fx.GraphModule(gm, graph, class_name=f"Eval{type(gm).__name__}")
+    evaluated = fx.GraphModule(gm, graph, class_name=f"Eval{type(gm).__name__}")
+    for node in graph.nodes:  # the graphs it calls (recompute regions) compute in eval mode too
+        sub = getattr(evaluated, node.target, None) if node.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            setattr(evaluated, node.target, eval_graph(sub))
+    return evaluated
 
 
 def _updates_a_buffer(node: fx.Node) -> bool:

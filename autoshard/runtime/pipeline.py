@@ -39,6 +39,7 @@ __all__ = [
     "recv",
     "send",
     "size",
+    "split_microbatches",
 ]
 
 
@@ -99,6 +100,38 @@ class PipelineChannel(nn.Module):
             names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z_]\w*", expr)}
             parsed = self._exprs[expr] = sympy.sympify(expr, locals=names)
         return evaluate_expr(parsed, self.sizes)
+
+
+def split_microbatches(
+    flat: list[torch.Tensor], input_shapes: list[TensorShape | None], m: int
+) -> tuple[list[list[torch.Tensor]], dict[str, int]]:
+    """Cut every batch-major input into ``m`` microbatches; bind the size symbols of one microbatch."""
+    per_mb: list[list[torch.Tensor]] = [[] for _ in range(m)]
+    sizes: dict[str, int] = {}
+    split_any = False
+    for index, (tensor, shape) in enumerate(zip(flat, input_shapes)):
+        first = shape.sizes[0] if shape is not None and shape.sizes else None
+        batch_major = isinstance(first, sympy.Symbol) and first.name == "B"
+        if batch_major:
+            rows = tensor.shape[0]
+            if rows % m:
+                raise InputError(
+                    f"input {index} has {rows} rows on this rank, not divisible into {m} microbatches; "
+                    f"use a local batch that is a multiple of {m} (or plan microbatches dividing it)"
+                )
+            chunks = tensor.split(rows // m)
+        else:
+            chunks = [tensor] * m
+        split_any = split_any or batch_major
+        for mb, chunk in enumerate(chunks):
+            per_mb[mb].append(chunk)
+        if shape is not None:
+            for dim, expr in enumerate(shape.sizes):
+                if isinstance(expr, sympy.Symbol):
+                    sizes[expr.name] = chunks[0].shape[dim]
+    if m > 1 and not split_any:
+        raise InputError(f"no input has the batch dimension B first, so the batch cannot be cut into {m} microbatches")
+    return per_mb, sizes
 
 
 # ---- the schedule runner ------------------------------------------------------------------------
@@ -194,36 +227,7 @@ class PipelineRunner:
 
     # -- inputs ---------------------------------------------------------------------------------
     def split(self, flat: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], dict[str, int]]:
-        """Cut every batch-major input into microbatches; bind the size symbols of one microbatch."""
-        m = self.microbatches
-        per_mb: list[list[torch.Tensor]] = [[] for _ in range(m)]
-        sizes: dict[str, int] = {}
-        split_any = False
-        for index, (tensor, shape) in enumerate(zip(flat, self.input_shapes)):
-            first = shape.sizes[0] if shape is not None and shape.sizes else None
-            batch_major = isinstance(first, sympy.Symbol) and first.name == "B"
-            if batch_major:
-                rows = tensor.shape[0]
-                if rows % m:
-                    raise InputError(
-                        f"input {index} has {rows} rows on this rank, not divisible into {m} microbatches; "
-                        f"use a local batch that is a multiple of {m} (or plan microbatches dividing it)"
-                    )
-                chunks = tensor.split(rows // m)
-            else:
-                chunks = [tensor] * m
-            split_any = split_any or batch_major
-            for mb, chunk in enumerate(chunks):
-                per_mb[mb].append(chunk)
-            if shape is not None:
-                for dim, expr in enumerate(shape.sizes):
-                    if isinstance(expr, sympy.Symbol):
-                        sizes[expr.name] = chunks[0].shape[dim]
-        if m > 1 and not split_any:
-            raise InputError(
-                f"no input has the batch dimension B first, so the batch cannot be cut into {m} microbatches"
-            )
-        return per_mb, sizes
+        return split_microbatches(flat, self.input_shapes, self.microbatches)
 
     # -- point to point ---------------------------------------------------------------------------
     def _tag(self, boundary: int, backward: bool, microbatch: int, slot: int) -> int:

@@ -26,12 +26,13 @@ from torch import fx, nn
 
 from autoshard.errors import InputError
 from autoshard.meta import GRAD_BUCKET, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.passes.infra import all_nodes
 from autoshard.placements import ParamPlacement, Shard
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
 from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_like, optimizer_state_bytes
-from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner
+from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
 from autoshard.runtime.tp import TensorParallel
 from autoshard.runtime.zero import Zero3Holder
 
@@ -177,7 +178,7 @@ class RankRuntime:
         """(parameter, group, offset, numel) of every trainable parameter this rank's graphs read."""
         slots = []
         for gm in self.graphs.values():
-            for node in gm.graph.nodes:
+            for node in all_nodes(gm):  # a ZeRO-3 gather may sit in a recompute region
                 if ZERO3 in node.meta:
                     record = get_zero3_gather(node)
                     for target, offset, numel in zip(record.targets, record.offsets, record.numels):
@@ -218,16 +219,20 @@ class RankRuntime:
                 groups[index].append(self.holder.masters.tensors[g])
         return optimizer_like(compiled.template, groups)
 
+    @property
+    def input_shapes(self) -> list[Any]:
+        inputs = [n for n in self.compiled.captured.gm.graph.nodes if n.op == "placeholder"]
+        return [next(iter(get_shape(n).tensors), None) for n in inputs]
+
     def _make_runner(self) -> PipelineRunner:
         coords, schedule = self.coords, self.schedule
-        inputs = [n for n in self.compiled.captured.gm.graph.nodes if n.op == "placeholder"]
         return PipelineRunner(
             stages=self.stages,
             schedule=schedule,
             pp_rank=coords["pp"],
             peer=lambda stage: self.mesh.rank_of(pp=schedule.rank_of(stage), dp=coords["dp"], tp=coords["tp"]),
             channel=self.channel,
-            input_shapes=[next(iter(get_shape(n).tensors), None) for n in inputs],
+            input_shapes=self.input_shapes,
             group=self.p2p_group,
             max_slots=max(len(s.send) for s in self.compiled.stages),
             comm=self.comm,
@@ -242,11 +247,17 @@ class RankRuntime:
             )
         start = time.perf_counter()
         holder, plan = self.holder, self.plan
-        if self.runner is None:
-            holder.begin(armed=True)
-            loss = self.graphs[0](*flat)[0]
-            loss.backward()
-            loss = loss.detach()
+        if self.runner is None:  # one graph; with microbatches, gradient accumulation
+            k = plan.microbatches
+            holder.begin(armed=k == 1)
+            parts = split_microbatches(flat, self.input_shapes, k)[0] if k > 1 else [flat]
+            loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i, part in enumerate(parts):
+                if i == k - 1 and k > 1:
+                    holder.arm(0)  # the last microbatch's gradients complete the sum: reduce them once
+                mb_loss = self.graphs[0](*part)[0]
+                (mb_loss / k if k > 1 else mb_loss).backward()
+                loss += mb_loss.detach().double() / k
         else:
             holder.begin(armed=False)
             total = self.runner.run(flat, holder.arm)

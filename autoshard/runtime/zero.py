@@ -33,7 +33,8 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, shard: torch.Tensor, runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
         ctx.runtime, ctx.group = runtime, group
         runtime.ensure_gathered(group)
-        runtime.prefetch(runtime.next_of.get(group))
+        if not runtime.replaying:
+            runtime.prefetch(runtime.next_of.get(group))
         return tuple(runtime.layouts[group].views(runtime.fulls[group]))
 
     @staticmethod
@@ -52,7 +53,7 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, runtime: Zero3Runtime, group: int, free: bool) -> torch.Tensor:
         ctx.runtime, ctx.group = runtime, group
-        if free:
+        if free and not runtime.replaying:
             runtime.free(group)
         return y.view_as(y)
 
@@ -108,9 +109,18 @@ class Zero3Runtime(nn.Module):
         self.reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []  # launched, not waited for
         self.done_shards: dict[int, torch.Tensor] = {}  # waited for: this rank's gradient shard per group
         self.peak_gathered_bytes = 0
+        # Inside a recompute region's replay in backward (runtime.recompute): forward's frees and
+        # prefetches are not repeated; the gather's backward frees the group once its gradients are in.
+        self.replaying = 0
         # Native collectives run asynchronously: prefetch and keep a reduction in flight. On gloo the
         # in-place path (no full-size temporaries) completes when called, so neither would overlap.
         self.overlap = not comm.reduces_in_place()
+
+    def groups_viewed_by(self, values: tuple[object, ...]) -> list[int]:
+        """The groups whose gathered buffer one of ``values`` views (a buffer keeps its storage when freed)."""
+        storages = {self.fulls[g].untyped_storage()._cdata: g for g in self.fulls}
+        tensors = (v for v in values if isinstance(v, torch.Tensor))
+        return sorted({storages[t.untyped_storage()._cdata] for t in tensors if t.untyped_storage()._cdata in storages})
 
     def gathered_bytes(self) -> int:
         return sum(f.untyped_storage().nbytes() for f in self.fulls.values())

@@ -1,0 +1,214 @@
+"""Activation recomputation: regions whose activations are recomputed in backward instead of kept.
+
+Reads:  autoshard.layer, autoshard.shape; autoshard.user_recompute (written at capture on the nodes of
+        the model's own torch.utils.checkpoint calls)
+Writes: autoshard.recompute (meta.RecomputeRegion) on each region's call node
+
+Each region becomes a submodule of the graph, called through ``runtime.recompute.region``, which
+keeps only the region's inputs for backward and recomputes the rest just before the region's
+backward runs. The choice (``Plan.recompute``):
+
+    "full"         each repeated block (a layer named ``... .<index>``) is one region
+    "selective"    within each block, every run of ops between the ones worth keeping is a region;
+                   kept are matmuls with a weight (FLOP-heavy) and communication (a collective is
+                   not repeated), recomputed are attention, norms, dropout and pointwise ops
+    (names, ...)   those blocks, each one region
+    "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
+
+Before (one GPT-2 block, "full")::
+
+    layer_norm = aten.layer_norm(add_3, [32], w_1, b_1)
+    ...
+    add_5 = aten.add(add_4, dropout_3)
+
+After::
+
+    recompute_0 = get_attr[recompute_0]                      # the block's nodes, as a graph
+    region = recompute.region(recompute_0, None, add_3, w_1, b_1, ...)  # None: no ZeRO-3 runtime
+    add_5 = region[0]                                        # what later nodes read
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from torch import fx
+
+from autoshard.errors import PlanError
+from autoshard.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
+from autoshard.ops import ALIASING, packet
+from autoshard.runtime import pipeline, recompute, zero
+from autoshard.runtime import tp as tp_ops
+from autoshard.sharding_compute_rules import matmul_dims
+
+from .infra import Need, Pass, PassResult, calls_to
+
+__all__ = ["PASS", "blocks", "run"]
+
+# Runtime ops a region never contains: sends and receives happen once; communication is kept.
+_NEVER = {pipeline.recv, pipeline.send, pipeline.size}
+_COMMUNICATION = {
+    tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.scatter, tp_ops.reduce_scatter, tp_ops.gather_rs,
+    tp_ops.vocab_parallel_embedding, tp_ops.vocab_parallel_cross_entropy, zero.gather, zero.mark,
+}  # fmt: skip
+
+
+def blocks(gm: fx.GraphModule) -> list[str]:
+    """The repeated blocks (layers named ``... .<index>``) in graph order."""
+    names = dict.fromkeys(get_layer(n) for n in gm.graph.nodes if n.op == "call_function")
+    return [name for name in names if name.rsplit(".", 1)[-1].isdigit()]
+
+
+def _view_root(node: Any) -> Any:
+    """What ``node`` views: past aliasing ops and tp copies, to a parameter, a ZeRO-3 gather's output, or else."""
+    for _ in range(32):
+        if not isinstance(node, fx.Node) or node.op != "call_function" or _is_gathered(node):
+            return node
+        if packet(node.target) not in ALIASING | {tp_ops.copy}:
+            return node
+        node = node.args[0]
+    return node
+
+
+def _is_gathered(node: fx.Node) -> bool:
+    return node.target is operator.getitem and getattr(node.args[0], "target", None) is zero.gather
+
+
+def _reads_weight(node: Any) -> bool:
+    """Whether a matmul operand is a trainable parameter (through views, or a ZeRO-3 gather)."""
+    root = _view_root(node)
+    if not isinstance(root, fx.Node):
+        return False
+    return _is_gathered(root) or (root.op == "get_attr" and root.meta.get(SHAPE, NodeShape()).requires_grad)
+
+
+def _kept(node: fx.Node) -> bool:
+    """Selective recomputation keeps this node's output (a weight matmul, or communication)."""
+    dims = matmul_dims(node.target)
+    return node.target in _COMMUNICATION or (dims is not None and _reads_weight(node.args[dims[1]]))
+
+
+def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
+    """The regions' nodes before closure, in graph order: per block (full), the runs between kept nodes of
+    a block (selective), and the model's own checkpointed regions outside those."""
+    names = blocks(gm)
+    if isinstance(choice, tuple):
+        unknown = [b for b in choice if b not in names]
+        if unknown:
+            raise PlanError(f"recompute names {unknown}, which are not blocks of this graph; the blocks are {names}")
+    chosen = set(names) if choice in ("full", "selective") else set(choice) if isinstance(choice, tuple) else set()
+    runs: list[list[fx.Node]] = [[]]
+    user: dict[int, list[fx.Node]] = {}
+    key: Any = None  # the block the current run belongs to
+    in_run: set[fx.Node] = set()
+    position = {}
+    for index, node in enumerate(gm.graph.nodes):
+        position[node] = index
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        layer = get_layer(node)
+        if layer not in chosen and USER_RECOMPUTE in node.meta:
+            user.setdefault(node.meta[USER_RECOMPUTE], []).append(node)
+        inside = layer in chosen and node.target not in _NEVER and not (choice == "selective" and _kept(node))
+        if inside and layer == key:
+            runs[-1].append(node)
+            in_run.add(node)
+            continue
+        if not inside and key is not None and USER_RECOMPUTE not in node.meta:
+            if not any(a in in_run for a in node.all_input_nodes):
+                # It does not read the run (a size from the pipe, a mask a later stage recomputes from the
+                # inputs): it stays before the region, which takes it as an input, and the run goes on.
+                continue
+        runs.append([node] if inside else [])
+        in_run = set(runs[-1])
+        key = layer if inside else None
+    # A run of views and sizes alone keeps nothing worth recomputing.
+    regions = [r for r in [*runs, *user.values()] if any(packet(n.target) not in ALIASING for n in r)]
+    return sorted(regions, key=lambda r: position[r[0]])
+
+
+def _closure(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """(region, nodes to move after it): the region grown by the nodes between its first and last node that
+    depend on it and that it depends on; None when that cannot be one call (nothing here makes it so)."""
+    members = set(nodes)
+    span, node = [], nodes[0]
+    while True:
+        span.append(node)
+        if node is nodes[-1]:
+            break
+        node = node.next
+    after: set[fx.Node] = set()
+    for n in span:  # depends on the region
+        if n not in members and any(a in members or a in after for a in n.all_input_nodes):
+            after.add(n)
+    before: set[fx.Node] = set()
+    for n in reversed(span):  # the region depends on it
+        if n not in members and any(u in members or u in before for u in n.users):
+            before.add(n)
+    region = [n for n in span if n in members or (n in after and n in before)]
+    if any(n.op == "call_function" and n.target in _NEVER for n in region):
+        return None
+    return region, [n for n in span if n in after and n not in before]
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], name: str) -> fx.Node:
+    members = set(region)
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in members))
+    # The ZeRO-3 runtime, if any: the gathered parameters the region reads are gathered again before it replays.
+    zero3 = next((n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is zero.gather), None)
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = sub.placeholder(value.name)
+        env[value].meta.update(value.meta)
+    for node in region:
+        env[node] = sub.node_copy(node, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outputs))
+    gm.add_submodule(name, fx.GraphModule(gm, sub, class_name="RecomputeRegion"))
+    graph, last = gm.graph, region[-1]
+    layer = get_layer(region[0])
+    with graph.inserting_after(last):
+        attr = graph.get_attr(name)
+    attr.meta.update({SHAPE: NodeShape(), LAYER: layer})
+    with graph.inserting_after(attr):
+        call = graph.call_function(recompute.region, (attr, zero3, *inputs))
+    call.meta.update({SHAPE: NodeShape(), LAYER: layer})
+    call.meta[RECOMPUTE] = RecomputeRegion(name, layer, len(region), tuple(n.name for n in inputs))
+    anchor = call
+    for index, out in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (call, index))
+        anchor.meta.update(out.meta)
+        out.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in members)
+    for node in move:  # what read the region's outputs in between now follows the call
+        anchor.append(node)
+        anchor = node
+    for node in reversed(region):
+        graph.erase_node(node)
+    return call
+
+
+def run(gm: fx.GraphModule, choice: Any) -> PassResult:
+    """``choice``: Plan.recompute. The value: the RecomputeRegion of each region made."""
+    made = []
+    for nodes in _candidates(gm, choice):
+        closed = _closure(nodes)
+        if closed is not None:
+            call = _outline(gm, *closed, f"recompute_{len(made)}")
+            made.append(call.meta[RECOMPUTE])
+    gm.graph.lint()
+    gm.recompile()
+    layers = sorted({r.layer for r in made})
+    kind = choice if isinstance(choice, str) else "blocks"
+    summary = f"{len(made)} recompute regions in {len(layers)} layers ({kind})"
+    return PassResult("recompute", bool(made), summary, value=made)
+
+
+PASS = Pass(
+    "recompute",
+    reads=(Need(LAYER), Need(SHAPE)),
+    writes=(Need(RECOMPUTE, calls_to("recompute region calls", recompute.region)),),
+    run=run,
+)
