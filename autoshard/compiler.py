@@ -6,6 +6,7 @@ the same graphs and placements on every machine, so a plan for a large mesh can 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -277,10 +278,14 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     if schedule is not None:
         results.append(run_pass(passes.pipeline_stages.PASS, gm, chosen.pp * chosen.virtual_stages))
         stages = results[-1].value
-    for graph in [s.gm for s in stages] or [gm]:
+    saved = []
+    for index, graph in enumerate([s.gm for s in stages] or [gm]):
         if chosen.zero == 3:
             results.append(run_pass(passes.zero3_gather_free.PASS, graph))
         results.append(run_pass(passes.recompute.PASS, graph, chosen.recompute))
+        results.append(run_pass(passes.saved_tensors.PASS, graph, (device or DeviceSpec()).kernels))
+        saved.append((f"stage {index}" if stages else "graph", results[-1].value))
+    cost = dataclasses.replace(cost, saved_for_backward=tuple(saved))
     placements = _placements(gm, model, chosen, stages_of, schedule, tp_report)
     log.info("plan %s: %s", chosen, report.reason)
     compiled = Compiled(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 from torch import fx
@@ -33,6 +34,9 @@ class ModelCost:
     param_bytes: int
     activation_bytes: sympy.Expr
     layers: tuple[LayerCost, ...]
+    # What autograd keeps for backward per call of each graph this rank runs ("graph", or "stage <i>"),
+    # after the plan's rewrites and recomputation (passes.saved_tensors); filled in by compile.
+    saved_for_backward: tuple[tuple[str, Any], ...] = ()
 
     @property
     def symbols(self) -> tuple[str, ...]:

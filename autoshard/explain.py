@@ -52,6 +52,7 @@ def explain(program: Any) -> str:
             f"{lc.name:<28} {expr:<34} {fmt_count(int(lv.flops_fwd)):>14} "
             f"{fmt_count(lc.param_bytes) + 'B':>9} {fmt_count(int(lv.activation_bytes)) + 'B':>12}"
         )
+    lines += ["", *_saved_for_backward(program)]
     if program.mesh.size <= 16:
         lines += ["", "mesh:", program.mesh.table()]
     lines += ["", *_placements(program)]
@@ -63,6 +64,40 @@ def explain(program: Any) -> str:
         lines += ["", f"this rank ({program.rank}): {program.runtime.holder.describe()}"]
     lines += ["", "passes:"] + [f"  {line}" for line in program.analysis_log]
     return "\n".join(lines)
+
+
+def _saved_for_backward(program: Any) -> list[str]:
+    """What autograd keeps per graph call, by layer and category, at the example's rows per call."""
+    plan, sizes = program.plan, dict(program.report.sizes)
+    rows = sizes["B"] // plan.dp // plan.microbatches
+    at = {**sizes, "B": rows}
+    recompute = plan.recompute if isinstance(plan.recompute, str) else "blocks " + ", ".join(plan.recompute)
+    lines = [
+        f"saved for backward (passes.saved_tensors; recompute {recompute}), per graph call of B={rows} rows"
+        + (f", S={at['S']}" if "S" in at else "")
+        + ":"
+    ]
+    for name, memory in program.cost.saved_for_backward:
+        value = memory.evaluate(**at)
+        lines.append(
+            f"  {name}: kept {memory.kept} = {fmt_count(value['kept'])}B"
+            + (f"; + {memory.transient} = {fmt_count(value['transient'])}B while a region recomputes"
+               if value["transient"] else "")
+        )  # fmt: skip
+        for layer in memory.layers:
+            parts = ", ".join(
+                f"{category} {fmt_count(int(expr.subs(_symbols(at))))}B" for category, expr in layer.by_category.items()
+            )
+            lines.append(f"    {layer.layer:<28} {fmt_count(value[layer.layer]) + 'B':>9}  {parts}")
+        if memory.unaccounted:
+            lines.append(f"    not probed (their saves not counted): {', '.join(memory.unaccounted)}")
+    return lines
+
+
+def _symbols(sizes: dict[str, int]) -> dict[Any, int]:
+    import sympy
+
+    return {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
 
 
 def _placements(program: Any) -> list[str]:

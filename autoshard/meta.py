@@ -18,6 +18,8 @@ from autoshard.errors import MissingMetaError
 
 __all__ = [
     "RECOMPUTE",
+    "SAVED",
+    "NodeSaves",
     "USER_RECOMPUTE",
     "RecomputeRegion",
     "BIAS_AFTER_REDUCE",
@@ -63,6 +65,7 @@ PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
 TP = "autoshard.tp"  # written by passes.tp_placement
 TP_COMM = "autoshard.tp_comm"  # written by passes.tp_rewrite
 RECOMPUTE = "autoshard.recompute"  # written by passes.recompute
+SAVED = "autoshard.saved"  # written by passes.saved_tensors
 USER_RECOMPUTE = "autoshard.user_recompute"  # written at capture: the model's own torch.utils.checkpoint regions
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
@@ -81,6 +84,7 @@ PRODUCERS = {
     TP_COMM: "passes.tp_rewrite",
     RECOMPUTE: "passes.recompute",
     USER_RECOMPUTE: "autoshard.capture",
+    SAVED: "passes.saved_tensors",
 }
 
 
@@ -174,6 +178,15 @@ class Zero3Gather:
     targets: tuple[str, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NodeSaves:
+    """The bytes (in B and S) a call keeps for backward that no earlier call kept already, and their kind."""
+
+    category: str
+    nbytes: sympy.Expr
+    probed: bool = True  # False: an op the meta device could not run; its saves are not counted
 
 
 @dataclass(frozen=True)

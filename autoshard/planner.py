@@ -33,6 +33,7 @@ class DeviceSpec:
     latency_s: float = 20e-6
     ranks_per_node: int = 8
     optimizer_bytes_per_param_byte: float = 2.0  # Adam(W): exp_avg and exp_avg_sq
+    kernels: str = "cuda"  # whose kernels run, "cuda" or "cpu": what autograd keeps differs (passes.saved_tensors)
 
 
 @dataclass(frozen=True)

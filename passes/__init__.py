@@ -18,6 +18,7 @@ from . import (
     pipeline_split,
     pipeline_stages,
     recompute,
+    saved_tensors,
     shape_prop,
     tp_placement,
     tp_rewrite,
@@ -41,6 +42,7 @@ __all__ = [
     "pipeline_stages",
     "recompute",
     "run_pass",
+    "saved_tensors",
     "shape_prop",
     "tp_placement",
     "tp_rewrite",
@@ -59,6 +61,7 @@ ALL = (
     pipeline_stages.PASS,
     zero3_gather_free.PASS,
     recompute.PASS,
+    saved_tensors.PASS,
 )
 
 

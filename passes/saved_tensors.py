@@ -1,0 +1,299 @@
+"""Saved-tensor accounting: the bytes autograd keeps for backward, per layer and category, in B and S.
+
+Reads:  autoshard.shape, autoshard.layer; autoshard.recompute on recompute region calls
+Writes: autoshard.saved (meta.NodeSaves) on each call: the bytes it keeps for backward (not kept already)
+
+What an ATen op keeps is asked of PyTorch itself: the op runs once on the meta device, its sizes
+evaluated at two primes far from every model dimension (B = 1009, S = 1013), under
+``torch.autograd.graph.saved_tensors_hooks``. A saved tensor that is one of the op's inputs or outputs
+(or views their storage) keeps that value; a value kept by several ops counts once, at the size of
+the tensor it views (a view of a fused QKV output keeps all of it). A tensor the op makes for itself
+(a dropout mask, attention's log-sum-exp, a norm's statistics) gets its sizes back from the primes.
+Parameters and graph inputs are not activations. A recompute region keeps only its inputs; the
+saves of its own nodes are live only while its backward runs (``ActivationMemory.transient``).
+
+Where kernels differ by device: scaled-dot-product attention without dropout runs the fused kernel
+on CPU and CUDA (keeps q, k, v, the output and the log-sum-exp); with dropout on CPU the math path
+(the score matrices). Dropout keeps a float mask on CPU and a one-byte mask on CUDA.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
+from autoshard.ops import ALIASING, packet
+from autoshard.runtime import pipeline, recompute, zero
+from autoshard.runtime import tp as tp_ops
+from autoshard.sharding_compute_rules import matmul_dims
+
+from .infra import CALLS, Need, Pass, PassResult
+
+__all__ = ["PASS", "ActivationMemory", "LayerActivations", "run"]
+
+aten = torch.ops.aten
+PROBE = {"B": 1009, "S": 1013}
+
+MATMUL = "matmul inputs"
+ATTENTION = "attention"
+DROPOUT = "dropout masks"
+NORM = "norms"
+POINTWISE = "pointwise"
+LOSS = "embedding and loss"
+REGION = "recompute inputs"
+
+_NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.batch_norm}
+_DROPOUT = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout}
+_ATTENTION = {aten.scaled_dot_product_attention, aten._softmax, aten.softmax, aten._safe_softmax}
+_LOSS = {aten.embedding, aten.cross_entropy_loss, aten.nll_loss_forward, aten._log_softmax, aten.log_softmax}
+_SAVE_NOTHING = {
+    tp_ops.all_reduce, tp_ops.copy, tp_ops.all_gather, tp_ops.scatter, tp_ops.reduce_scatter, tp_ops.gather_rs,
+    zero.gather, zero.mark, pipeline.recv, pipeline.send, pipeline.size, operator.getitem,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """The bytes one layer's nodes keep for backward, by category (expressions in B and S)."""
+
+    layer: str
+    by_category: dict[str, sympy.Expr]
+
+    @property
+    def total(self) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*self.by_category.values()))
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """What one graph keeps for backward per call: per layer, and the largest recompute region's own saves."""
+
+    layers: tuple[LayerActivations, ...]
+    transient: sympy.Expr = sympy.Integer(0)
+    unaccounted: tuple[str, ...] = field(default=())  # ops whose saves could not be probed
+
+    @property
+    def kept(self) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*(layer.total for layer in self.layers)))
+
+    @property
+    def peak(self) -> sympy.Expr:
+        """Kept bytes plus the region being recomputed: what is live at the start of backward at most."""
+        return sympy.expand(self.kept + self.transient)
+
+    def evaluate(self, **sizes: int) -> dict[str, int]:
+        subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
+        value = lambda e: int(sympy.sympify(e).subs(subs))  # noqa: E731
+        out = {layer.layer: value(layer.total) for layer in self.layers}
+        return {**out, "kept": value(self.kept), "transient": value(self.transient)}
+
+    def by_category(self) -> dict[str, sympy.Expr]:
+        out: dict[str, sympy.Expr] = {}
+        for layer in self.layers:
+            for category, expr in layer.by_category.items():
+                out[category] = sympy.expand(out.get(category, 0) + expr)
+        return out
+
+
+def _category(node: fx.Node) -> str:
+    if node.target is tp_ops.sharded_random:  # the random op it runs on this tp rank's stream
+        target, dims = packet(node.args[1]), matmul_dims(node.args[1])
+    else:
+        target, dims = packet(node.target), matmul_dims(node.target)
+    if dims is not None:
+        return MATMUL if any(_is_weight(node.args[i]) for i in dims) else ATTENTION
+    for names, category in ((_NORMS, NORM), (_DROPOUT, DROPOUT), (_ATTENTION, ATTENTION), (_LOSS, LOSS)):
+        if target in names:
+            return category
+    if node.target in (tp_ops.vocab_parallel_embedding, tp_ops.vocab_parallel_cross_entropy):
+        return LOSS
+    return POINTWISE
+
+
+_COPIES_IF_STRIDED = {aten.reshape, aten.contiguous, aten.flatten}
+_STRIDED = {aten.transpose, aten.permute, aten.expand, aten.t}
+
+
+def _root(node: Any) -> Any:
+    """The value whose storage ``node`` views: past aliasing ops to the op that made it, or to a reshape
+    that had to copy (of a transposed or expanded tensor, as attention's outputs and repeated kv heads)."""
+    chain = []
+    for _ in range(64):
+        if not isinstance(node, fx.Node) or node.op != "call_function" or packet(node.target) not in ALIASING:
+            break
+        if node.target is operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        chain.append(node)
+        node = node.args[0]
+    for index, view in enumerate(chain):
+        if packet(view.target) in _COPIES_IF_STRIDED and any(packet(v.target) in _STRIDED for v in chain[index:]):
+            return view
+    return node
+
+
+def _is_weight(node: Any) -> bool:
+    root = _root(node)
+    if not isinstance(root, fx.Node):
+        return False
+    if root.op == "get_attr":
+        return True
+    return root.target is operator.getitem and getattr(root.args[0], "target", None) is zero.gather
+
+
+def _is_activation(root: fx.Node) -> bool:
+    return root.op == "call_function" and not _is_weight(root) and get_shape(root).tensors != ()
+
+
+def _probe_value(arg: Any) -> Any:
+    """A node argument at the probe sizes: a meta tensor, an int, or the constant itself."""
+    if not isinstance(arg, fx.Node):
+        return arg
+    shape = get_shape(arg)
+    if shape.scalar is not None:
+        return int(shape.scalar.subs(_PROBE_SYMBOLS))
+    t = shape.tensor
+    sizes = [int(sympy.sympify(s).subs(_PROBE_SYMBOLS)) for s in t.sizes]
+    grad = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
+    return torch.empty(sizes, dtype=t.dtype, device="meta", requires_grad=grad)
+
+
+_PROBE_SYMBOLS = {sympy.Symbol(k, integer=True, positive=True): v for k, v in PROBE.items()}
+
+
+def _dims_back(concrete: tuple[int, ...], known: list[sympy.Expr]) -> sympy.Expr:
+    """Bytes-free numel of a tensor the op made, its sizes mapped back through the probe to expressions."""
+    table: dict[int, sympy.Expr] = {}
+    for a, b in itertools.product(known, repeat=2):
+        table.setdefault(int(sympy.sympify(a * b).subs(_PROBE_SYMBOLS)), a * b)
+    for a in known:
+        table[int(sympy.sympify(a).subs(_PROBE_SYMBOLS))] = a
+    return sympy.Mul(*(table.get(d, sympy.Integer(d)) for d in concrete))
+
+
+def _ops_saves(node: fx.Node, device_type: str) -> list[tuple[Any, sympy.Expr]] | None:
+    """What ``node`` keeps: (input or own node, bytes) pairs; None when it cannot be probed."""
+    target = node.target
+    if target is recompute.region:
+        return [(a, get_shape(a).nbytes) for a in node.args[2:] if isinstance(a, fx.Node) and get_shape(a).tensors]
+    if target in _SAVE_NOTHING or packet(target) in ALIASING:
+        return []
+    if target is tp_ops.vocab_parallel_embedding:  # the ids and a one-byte mask of the ids this rank holds
+        ids = node.args[2]
+        return [(ids, 0), (("own", node, 0), get_shape(ids).tensor.numel)]
+    if target is tp_ops.vocab_parallel_cross_entropy:  # the local softmax; the target, a row index, two masks
+        logits, rows = get_shape(node.args[1]).tensor, get_shape(node.args[2]).tensor.numel
+        return [(("own", node, 0), logits.nbytes), (node.args[2], 0), (("own", node, 1), rows * 10)]
+    if target is tp_ops.sharded_random:  # the wrapped op, as if called directly
+        return _aten_saves(node, node.args[1], node.args[2:], node.kwargs, device_type)
+    if not isinstance(target, torch._ops.OpOverload):
+        return [] if get_shape(node).scalar is not None else None  # arithmetic on sizes keeps nothing
+    return _aten_saves(node, target, node.args, node.kwargs, device_type)
+
+
+def _aten_saves(node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str) -> list[tuple[Any, sympy.Expr]]:
+    flat_args: list[fx.Node] = []
+    fx.node.map_arg((args, kwargs), lambda a: flat_args.append(a))
+    shapes = [get_shape(a) for a in flat_args]
+    if not any(s.scalar is None and any(t is not None and t.requires_grad for t in s.tensors) for s in shapes):
+        return []  # nothing needs a gradient: autograd records nothing
+    out_shape = get_shape(node)
+    if packet(op) is aten.scaled_dot_product_attention:
+        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        if dropout == 0.0 or device_type == "cuda":  # the fused kernel: q, k, v, a mask, output, log-sum-exp
+            q = args[0]
+            lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4
+            mask = [(args[3], 0)] if len(args) > 3 and isinstance(args[3], fx.Node) else []
+            return [(args[0], 0), (args[1], 0), (args[2], 0), *mask, (node, 0), (("own", node, 0), lse)]
+    if packet(op) in _DROPOUT and device_type == "cuda":
+        return [(("own", node, 0), get_shape(args[0]).tensor.numel)]  # a one-byte mask
+    probed = {a: _probe_value(a) for a in flat_args}  # the meta tensors the op gets: a saved input is one
+    probe_args = fx.node.map_arg(args, probed.__getitem__)
+    probe_kwargs = fx.node.map_arg(kwargs, probed.__getitem__)
+    tensors = [(a, v) for a, v in probed.items() if isinstance(v, torch.Tensor)]
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = op(*probe_args, **probe_kwargs)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    known = [s for sh in [*shapes, out_shape] for t in sh.tensors if t is not None for s in t.sizes]
+    result, own = [], set()
+    for index, t in enumerate(saved):
+        storage = t.untyped_storage()._cdata
+        owner = next((a for a, v in tensors if v is t or v.untyped_storage()._cdata == storage), None)
+        if owner is None and any(o is t or o.untyped_storage()._cdata == storage for o in outs):
+            owner = node
+        if owner is None and storage not in own:  # one the op made (saved twice, as log-softmax is, once)
+            own.add(storage)
+            nbytes = _dims_back(tuple(t.shape), known) * t.element_size()
+            result.append((("own", node, index), nbytes))
+        elif owner is None:
+            continue
+        else:
+            result.append((owner, 0))
+    return result
+
+
+def _account(gm: fx.GraphModule, device_type: str) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
+    """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
+    layers: dict[str, dict[str, sympy.Expr]] = {}
+    counted: set[Any] = set()
+    unaccounted: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            saves = _ops_saves(node, device_type)
+        except Exception:  # noqa: BLE001 - an op the meta device cannot run: reported, not guessed
+            saves = None
+        if saves is None:
+            unaccounted.append(str(node.target))
+            node.meta[SAVED] = NodeSaves(POINTWISE, sympy.Integer(0), probed=False)
+            continue
+        category = REGION if node.target is recompute.region else _category(node)
+        before = layers.get(get_layer(node), {}).get(category, sympy.Integer(0))
+        for value, nbytes in saves:
+            if isinstance(value, tuple):  # the op's own tensor
+                key, size = value, nbytes
+            else:
+                root = _root(value)
+                if not isinstance(root, fx.Node) or not _is_activation(root) or root in counted:
+                    continue
+                key, size = root, get_shape(root).nbytes
+            if key in counted:
+                continue
+            counted.add(key)
+            per = layers.setdefault(get_layer(node), {})
+            per[category] = sympy.expand(per.get(category, 0) + size)
+        after = layers.get(get_layer(node), {}).get(category, sympy.Integer(0))
+        node.meta[SAVED] = NodeSaves(category, sympy.expand(after - before))
+    return layers, unaccounted
+
+
+def run(gm: fx.GraphModule, device_type: str = "cpu") -> PassResult:
+    """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above)."""
+    layers, unaccounted = _account(gm, device_type)
+    transient: sympy.Expr = sympy.Integer(0)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is recompute.region:
+            inner, more = _account(getattr(gm, node.args[0].target), device_type)
+            unaccounted += more
+            total = sympy.expand(sympy.Add(*(e for per in inner.values() for e in per.values())))
+            transient = sympy.Max(transient, total) if transient != 0 else total
+    memory = ActivationMemory(
+        tuple(LayerActivations(name, per) for name, per in layers.items()), transient, tuple(sorted(set(unaccounted)))
+    )
+    summary = f"saved for backward per call: {memory.kept} bytes kept"
+    if transient != 0:
+        summary += f", {transient} while the largest region recomputes"
+    if unaccounted:
+        summary += f"; not probed: {', '.join(memory.unaccounted)}"
+    return PassResult("saved_tensors", False, summary, value=memory)
+
+
+PASS = Pass("saved_tensors", reads=(Need(SHAPE), Need(LAYER)), writes=(Need(SAVED, CALLS),), run=run)
