@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from autoshard.passes import tp_rewrite
+from recompute import bench_recompute
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
@@ -700,6 +701,7 @@ BENCHMARKS = {
     "pipeline": bench_pipeline,
     "tp": bench_tp,
     "fsdp-tp": bench_fsdp_tp,
+    "recompute": lambda: bench_recompute(report),
 }
 
 

@@ -9,9 +9,10 @@ keeps only the region's inputs for backward and recomputes the rest just before 
 backward runs. The choice (``Plan.recompute``):
 
     "full"         each repeated block (a layer named ``... .<index>``) is one region
-    "selective"    within each block, every run of ops between the ones worth keeping is a region;
-                   kept are matmuls with a weight (FLOP-heavy) and communication (a collective is
-                   not repeated), recomputed are attention, norms, dropout and pointwise ops
+    "selective"    within each block, every run of ops between the ones worth keeping that holds
+                   attention or dropout is a region; kept are matmuls with a weight (FLOP-heavy) and
+                   communication (a collective is not repeated); recomputed are attention scores,
+                   softmax, dropout and the pointwise ops between them
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 from torch import fx
 
 from autoshard.errors import PlanError
@@ -45,6 +47,8 @@ from autoshard.sharding_compute_rules import matmul_dims
 from .infra import Need, Pass, PassResult, calls_to
 
 __all__ = ["PASS", "blocks", "run"]
+
+aten = torch.ops.aten
 
 # Runtime ops a region never contains: sends and receives happen once; communication is kept.
 _NEVER = {pipeline.recv, pipeline.send, pipeline.size}
@@ -89,6 +93,22 @@ def _kept(node: fx.Node) -> bool:
     return node.target in _COMMUNICATION or (dims is not None and _reads_weight(node.args[dims[1]]))
 
 
+_HEAVY = {
+    aten.softmax,
+    aten._softmax,
+    aten._safe_softmax,
+    aten.scaled_dot_product_attention,
+    aten.dropout,
+    aten.native_dropout,
+}
+
+
+def _memory_heavy(node: fx.Node) -> bool:
+    """Attention (a product of two activations, a softmax) or dropout: what selective recomputation is for."""
+    target = node.args[1] if node.target is tp_ops.sharded_random else node.target
+    return packet(target) in _HEAVY or matmul_dims(target) is not None
+
+
 def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
     """The regions' nodes before closure, in graph order: per block (full), the runs between kept nodes of
     a block (selective), and the model's own checkpointed regions outside those."""
@@ -123,7 +143,11 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         runs.append([node] if inside else [])
         in_run = set(runs[-1])
         key = layer if inside else None
-    # A run of views and sizes alone keeps nothing worth recomputing.
+    # A run of views and sizes alone keeps nothing worth recomputing; selective recomputation takes only
+    # the runs that hold attention or dropout (a norm or activation between two kept matmuls would cost
+    # its recomputation and save nothing: the matmul after it keeps its output anyway).
+    if choice == "selective":
+        runs = [r for r in runs if any(_memory_heavy(n) for n in r)]
     regions = [r for r in [*runs, *user.values()] if any(packet(n.target) not in ALIASING for n in r)]
     return sorted(regions, key=lambda r: position[r[0]])
 
