@@ -48,7 +48,8 @@ def _net_and_peak(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, current, peak
 
 
-def _measure(choice: str, batch: int, seq: int, layers: int, width: int, heads: int) -> dict[str, Any]:
+def _build(choice: str, batch: int, seq: int, layers: int, width: int, heads: int) -> dict[str, Any]:
+    """The compiled graph of one recompute choice, its input, and its accounting at this batch."""
     model = _gpt(layers, width, heads)
     ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
     kwargs = {"labels": ids, "use_cache": False}
@@ -57,21 +58,25 @@ def _measure(choice: str, batch: int, seq: int, layers: int, width: int, heads: 
         device=DeviceSpec(kernels="cpu"),
     )  # fmt: skip
     gm = program.for_rank(0).graph_modules[0]
-    memory = program.cost.saved_for_backward[0][1].evaluate(B=batch, S=seq)
-    for p in gm.parameters():
-        p.grad = None
+    return {"gm": gm, "ids": ids, "predicted": program.cost.saved_for_backward[0][1].evaluate(B=batch, S=seq)}
+
+
+def _kept(run: dict[str, Any]) -> int:
+    """Bytes one forward leaves allocated beyond its outputs (then its backward runs, freeing them)."""
+    gm, ids = run["gm"], run["ids"]
     outputs, net, _ = _net_and_peak(lambda: gm(ids, ids))
     kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
-    _, _, peak = _net_and_peak(outputs[0].backward)
-    del outputs
-    times = []
-    for _ in range(3):  # timed without the profiler
-        for p in gm.parameters():
-            p.grad = None
-        start = time.perf_counter()
-        gm(ids, ids)[0].backward()
-        times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "kept": kept, "predicted": memory, "peak": peak}
+    outputs[0].backward()
+    return kept
+
+
+def _step_seconds(run: dict[str, Any]) -> float:
+    gm, ids = run["gm"], run["ids"]
+    for p in gm.parameters():
+        p.grad = None
+    start = time.perf_counter()
+    gm(ids, ids)[0].backward()
+    return time.perf_counter() - start
 
 
 def _korthikanti(report: Callable[..., None]) -> None:
@@ -101,7 +106,13 @@ def _korthikanti(report: Callable[..., None]) -> None:
 
 def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512) -> None:
     layers, width, heads = 2, 1024, 16
-    results = {choice: _measure(choice, batch, seq, layers, width, heads) for choice in CHOICES}
+    runs = {choice: _build(choice, batch, seq, layers, width, heads) for choice in CHOICES}
+    results = {choice: {"kept": _kept(run), "predicted": run["predicted"], "times": []} for choice, run in runs.items()}
+    for _ in range(5):  # the choices in turn, so that they share whatever else the machine does
+        for choice, run in runs.items():
+            results[choice]["times"].append(_step_seconds(run))
+    for r in results.values():
+        r["seconds"] = statistics.median(r["times"])
     name = f"GPT-2-style, {layers} blocks, width {width}, {heads} heads, eager attention, dropout 0.1, {batch}x{seq}"
     for choice, r in results.items():
         report(
@@ -118,7 +129,7 @@ def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512)
                f"{none['seconds'] * 1e3:.0f} ms", r["seconds"] / none["seconds"], f"<= {ceiling}")  # fmt: skip
     # Gradient accumulation: a step of k microbatches keeps one microbatch's activations at a time.
     for k in (2, 4):
-        r = _measure("none", batch // k, seq, layers, width, heads)
+        r = {"kept": _kept(_build("none", batch // k, seq, layers, width, heads))}
         report(f"{name}: kept bytes per forward, microbatches={k} / 1", f"{r['kept'] / 2**20:.1f} MiB",
                f"{none['kept'] / 2**20:.1f} MiB", r["kept"] / none["kept"], f"~ 1/{k}")  # fmt: skip
     _korthikanti(report)
