@@ -64,9 +64,9 @@ def test_recompute_matches_single_device_sample(ranks, case: tuple[str, dict[str
 @pytest.mark.parametrize(
     ("family", "mesh", "extra"),
     [
-        ("gpt2", {"dp": 2, "tp": 2}, {"sequence_parallel": True}),
+        pytest.param("gpt2", {"dp": 2, "tp": 2}, {"sequence_parallel": True}, marks=pytest.mark.slow),
         ("gpt2", {"dp": 2, "pp": 2}, {"zero": 3}),
-        ("bert", {"dp": 4}, {"zero": 3}),
+        pytest.param("bert", {"dp": 4}, {"zero": 3}, marks=pytest.mark.slow),
     ],
 )
 def test_dropout_masks_replay_exactly(ranks, family: str, mesh: dict[str, int], extra: dict[str, Any]) -> None:
