@@ -85,19 +85,11 @@ def _saved_for_backward(program: Any) -> list[str]:
                if value["transient"] else "")
         )  # fmt: skip
         for layer in memory.layers:
-            parts = ", ".join(
-                f"{category} {fmt_count(int(expr.subs(_symbols(at))))}B" for category, expr in layer.by_category.items()
-            )
+            parts = ", ".join(f"{category} {fmt_count(n)}B" for category, n in layer.evaluate(**at).items())
             lines.append(f"    {layer.layer:<28} {fmt_count(value[layer.layer]) + 'B':>9}  {parts}")
         if memory.unaccounted:
             lines.append(f"    not probed (their saves not counted): {', '.join(memory.unaccounted)}")
     return lines
-
-
-def _symbols(sizes: dict[str, int]) -> dict[Any, int]:
-    import sympy
-
-    return {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
 
 
 def _placements(program: Any) -> list[str]:

@@ -70,6 +70,10 @@ class LayerActivations:
     def total(self) -> sympy.Expr:
         return sympy.expand(sympy.Add(*self.by_category.values()))
 
+    def evaluate(self, **sizes: int) -> dict[str, int]:
+        """Bytes per category at these sizes."""
+        return {category: _value(expr, sizes) for category, expr in self.by_category.items()}
+
 
 @dataclass(frozen=True)
 class ActivationMemory:
@@ -83,23 +87,14 @@ class ActivationMemory:
     def kept(self) -> sympy.Expr:
         return sympy.expand(sympy.Add(*(layer.total for layer in self.layers)))
 
-    @property
-    def peak(self) -> sympy.Expr:
-        """Kept bytes plus the region being recomputed: what is live at the start of backward at most."""
-        return sympy.expand(self.kept + self.transient)
-
     def evaluate(self, **sizes: int) -> dict[str, int]:
-        subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
-        value = lambda e: int(sympy.sympify(e).subs(subs))  # noqa: E731
-        out = {layer.layer: value(layer.total) for layer in self.layers}
-        return {**out, "kept": value(self.kept), "transient": value(self.transient)}
+        """Bytes per layer, "kept" and "transient", at these sizes (e.g. B=4, S=512)."""
+        out = {layer.layer: _value(layer.total, sizes) for layer in self.layers}
+        return {**out, "kept": _value(self.kept, sizes), "transient": _value(self.transient, sizes)}
 
-    def by_category(self) -> dict[str, sympy.Expr]:
-        out: dict[str, sympy.Expr] = {}
-        for layer in self.layers:
-            for category, expr in layer.by_category.items():
-                out[category] = sympy.expand(out.get(category, 0) + expr)
-        return out
+
+def _value(expr: sympy.Expr, sizes: dict[str, int]) -> int:
+    return int(sympy.sympify(expr).subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}))
 
 
 def _category(node: fx.Node) -> str:
@@ -157,23 +152,20 @@ def _probe_value(arg: Any) -> Any:
         return arg
     shape = get_shape(arg)
     if shape.scalar is not None:
-        return int(shape.scalar.subs(_PROBE_SYMBOLS))
+        return _value(shape.scalar, PROBE)
     t = shape.tensor
-    sizes = [int(sympy.sympify(s).subs(_PROBE_SYMBOLS)) for s in t.sizes]
+    sizes = [_value(s, PROBE) for s in t.sizes]
     grad = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
     return torch.empty(sizes, dtype=t.dtype, device="meta", requires_grad=grad)
-
-
-_PROBE_SYMBOLS = {sympy.Symbol(k, integer=True, positive=True): v for k, v in PROBE.items()}
 
 
 def _dims_back(concrete: tuple[int, ...], known: list[sympy.Expr]) -> sympy.Expr:
     """Bytes-free numel of a tensor the op made, its sizes mapped back through the probe to expressions."""
     table: dict[int, sympy.Expr] = {}
     for a, b in itertools.product(known, repeat=2):
-        table.setdefault(int(sympy.sympify(a * b).subs(_PROBE_SYMBOLS)), a * b)
+        table.setdefault(_value(a * b, PROBE), a * b)
     for a in known:
-        table[int(sympy.sympify(a).subs(_PROBE_SYMBOLS))] = a
+        table[_value(a, PROBE)] = a
     return sympy.Mul(*(table.get(d, sympy.Integer(d)) for d in concrete))
 
 
