@@ -55,7 +55,7 @@ def test_recompute_matches_single_device_grid(ranks, family: str, mesh: dict[str
     check_matches_single_device(ranks, family, mesh, plan)
 
 
-@settings(max_examples=3, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.sampled_from(GRID))
 def test_recompute_matches_single_device_sample(ranks, case: tuple[str, dict[str, int], dict[str, Any]]) -> None:
     check_matches_single_device(ranks, *case)

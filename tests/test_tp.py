@@ -52,10 +52,26 @@ MEGATRON = {"all_reduce fwd": 2, "all_reduce bwd": 2}
 MEGATRON_SP = {"all_gather fwd": 2, "reduce_scatter fwd": 2, "all_gather bwd": 2, "reduce_scatter bwd": 2}
 
 
+TP_FAMILIES = ["gpt2", "llama", "bert"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sp"])
 @pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_tp_matches_single_device(ranks, family: str, mesh: str, sequence_parallel: bool) -> None:
+    check_tp(ranks, family, mesh, sequence_parallel)
+
+
+# The grid above (18 runs, about 3 minutes here) runs with -m slow; every run draws four of its points.
+@settings(max_examples=4)
+@given(family=st.sampled_from(TP_FAMILIES), mesh=st.sampled_from(list(MESHES)), sequence_parallel=st.booleans())
+def test_tp_matches_single_device_sample(ranks, family: str, mesh: str, sequence_parallel: bool) -> None:
+    check_tp(ranks, family, mesh, sequence_parallel)
+
+
+def check_tp(ranks, family: str, mesh: str, sequence_parallel: bool) -> None:
+    """Equal to one device, with Megatron's collective count per block and 1/tp of each sharded weight held."""
     ref_losses, ref_state = train_single_device(family)
     layout = MESHES[mesh]
     world = layout.get("dp", 1) * layout["tp"]
@@ -162,7 +178,7 @@ def test_random_mlps_shard_optimally(ranks, tp: int, multiples: list[int]) -> No
     assert totals == {op: n for op, n in expected.items() if n}
 
 
-@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tp=st.sampled_from([2, 4]), heads_per_rank=st.integers(1, 2), head_dim=st.sampled_from([2, 4, 6]))
 def test_random_attention_shapes_shard_optimally(ranks, tp: int, heads_per_rank: int, head_dim: int) -> None:
     heads = tp * heads_per_rank
@@ -244,8 +260,20 @@ THREE_D = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", THREE_D)
 def test_tp_with_pipeline_matches_single_device(ranks, config: str) -> None:
+    check_tp_with_pipeline(ranks, config)
+
+
+# All four with -m slow; every run draws two.
+@settings(max_examples=2)
+@given(config=st.sampled_from(list(THREE_D)))
+def test_tp_with_pipeline_matches_single_device_sample(ranks, config: str) -> None:
+    check_tp_with_pipeline(ranks, config)
+
+
+def check_tp_with_pipeline(ranks, config: str) -> None:
     """Tensor parallel inside pipeline stages (and dp around them): each stage graph keeps Megatron's count."""
     family, mesh, plan, layers = THREE_D[config]
     norms: list[float] = []
