@@ -4,6 +4,7 @@ program = autoshard.compile(model, autoshard.Mesh(dp=4), example_inputs=(input_i
 loss = program.step(program.local_batch(input_ids), target=...)
 """
 
+from autoshard.checkpoint import latest_checkpoint
 from autoshard.compiler import compile
 from autoshard.cost import LayerCost, ModelCost
 from autoshard.errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "compile",
+    "latest_checkpoint",
 ]
 
 __version__ = "0.1.0"

@@ -107,10 +107,19 @@ class LocalRanks:
 
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        waited = 0.0
         while len(results) + len(errors) < self.world_size:
             try:
-                kind, rank, payload = self._outbox.get(timeout=self.timeout if not errors else 30)
+                kind, rank, payload = self._outbox.get(timeout=1.0)
+                waited = 0.0
             except queue.Empty:
+                waited += 1.0
+                # A rank that died answers nothing: report it now, not after the timeout.
+                for r, proc in enumerate(self._procs):
+                    if r not in results and r not in errors and not proc.is_alive():
+                        errors[r] = f"rank {r} died (exit code {proc.exitcode})"
+                if waited < (self.timeout if not errors else 30):
+                    continue
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 self.close(force=True)
                 waiting = sorted(set(range(self.world_size)) - set(results) - set(errors))

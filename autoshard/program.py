@@ -7,14 +7,17 @@ state and forward calls are in runtime/state.py and runtime/forward.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx
 
+from autoshard import checkpoint
 from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
 from autoshard.placements import Placement
@@ -212,3 +215,22 @@ class Program:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full state dict (the original model's keys) on every rank; each keeps its share."""
         state.load_full_state(self._runtime("load_state_dict()"), state_dict)
+
+    # ---- checkpoints (autoshard/checkpoint.py) ------------------------------------------------
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Each rank writes its shards, optimizer state and random state; ``extra`` (JSON data, e.g. an LR
+        scheduler's state_dict()) comes back from ``load``. Atomic; call on every rank."""
+        return checkpoint.save(self._runtime("save()"), path, extra)
+
+    def load(self, path: str | os.PathLike) -> dict | None:
+        """Restore a checkpoint saved under any plan of the same model; returns its ``extra``. Every rank."""
+        return checkpoint.load(self._runtime("load()"), path)
+
+    def save_full(self, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
+        """The consolidated model state as one safetensors file (rank 0 writes; every rank calls)."""
+        return checkpoint.save_full(self._runtime("save_full()"), path, masters=masters)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self._runtime("steps").steps

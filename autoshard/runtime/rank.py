@@ -131,6 +131,7 @@ class RankRuntime:
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_memory: dict[str, int] = {}
         self.step_seconds = 0.0
+        self.steps = 0  # optimizer steps taken (checkpoints keep it)
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)  # kept across steps
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -283,6 +284,7 @@ class RankRuntime:
         if work is not None:
             work.wait()
         self.step_seconds = time.perf_counter() - start
+        self.steps += 1
         return self._loss.item() / plan.dp
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
