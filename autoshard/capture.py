@@ -77,6 +77,24 @@ class CallSpec:
             raise InputError(f"target structure {spec} differs from the example target's {self.target_spec}")
         return leaves
 
+    def check_against(self, flat: list[torch.Tensor], compiled: list[Any]) -> None:
+        """One line naming the first input or target whose dtype, rank or fixed sizes differ from the
+        compiled graph's (``compiled``: each placeholder's TensorShape; symbolic sizes may vary)."""
+        names = [f"input {i}" for i in range(self.n_args)] + list(self.tensor_kwargs)
+        names += ["target"] if self.n_targets == 1 else [f"target leaf {i}" for i in range(self.n_targets)]
+        for name, tensor, shape in zip(names, flat, compiled):
+            if shape is None:
+                continue
+            fixed_ok = len(tensor.shape) == len(shape.sizes) and all(
+                not size.is_number or int(size) == got for size, got in zip(shape.sizes, tensor.shape)
+            )
+            if tensor.dtype != shape.dtype or not fixed_ok:
+                want = ", ".join(str(s) for s in shape.sizes)
+                raise InputError(
+                    f"step(): {name} is {tensor.dtype} of shape {tuple(tensor.shape)}; the program was compiled "
+                    f"for {shape.dtype} of shape ({want}) (B and S may vary, other sizes and the dtype may not)"
+                )
+
     def unflatten_outputs(self, tensors: list[torch.Tensor]) -> Any:
         it = iter(tensors)
         leaves = [next(it) if is_tensor else None for is_tensor in self.output_is_tensor]

@@ -182,7 +182,9 @@ class Program:
         """
         runtime = self._runtime("step()")
         call = self.compiled.captured.call
-        return runtime.step(call.flatten_inputs(inputs, kwargs) + call.flatten_target(target))
+        flat = call.flatten_inputs(inputs, kwargs) + call.flatten_target(target)
+        call.check_against(flat, runtime.input_shapes)
+        return runtime.step(flat)
 
     def train(self, mode: bool = True) -> Program:
         """Forward calls compute as in training (dropout on); ``step()`` always trains."""

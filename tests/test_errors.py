@@ -183,3 +183,27 @@ def test_step_inputs_that_do_not_match_the_compiled_call(mlp) -> None:
     msg = "this program computes loss_fn(outputs, target): pass step(..., target=...)"
     with pytest.raises(InputError, match=re.escape(msg)):
         program.step(*mlp.batches[0].inputs)
+
+
+def test_step_inputs_of_another_dtype_or_size_than_compiled() -> None:
+    case = build_case("gpt2")
+    batch = case.batches[0]
+    program = autoshard.compile(case.model, 1, batch.inputs, example_kwargs=batch.kwargs, optimizer=torch.optim.SGD)
+    ids, labels = batch.inputs[0], batch.kwargs["labels"]
+    msg = (
+        "step(): input 0 is torch.float32 of shape (8, 12); the program was compiled for torch.int64 of shape (B, S) "
+        "(B and S may vary, other sizes and the dtype may not)"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        program.step(ids.float(), labels=labels)
+    with pytest.raises(InputError, match=re.escape("step(): labels is torch.int64 of shape (8,); the program was")):
+        program.step(ids, labels=labels[:, 0])
+
+
+def test_step_target_of_another_size_than_compiled(mlp) -> None:
+    program = compile_mlp(mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = mlp.batches[0].inputs[0], mlp.batches[0].target
+    with pytest.raises(InputError, match=re.escape("step(): input 0 is torch.float32 of shape (8, 15); the program")):
+        program.step(x[:, :15], target=y)
+    with pytest.raises(InputError, match=re.escape("step(): target is torch.float32 of shape (8,); the program")):
+        program.step(x, target=y.float())
