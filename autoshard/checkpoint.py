@@ -188,12 +188,12 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _agree(message: str | None) -> None:
+def _agree(rt: Any, message: str | None) -> None:
     """Raise the first rank's complaint on every rank (so that no rank starts a collective alone)."""
     box = [message]
     if dist.is_initialized():
         messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
+        dist.all_gather_object(messages, message, group=rt.world_group)
         box = [next((m for m in messages if m), None)]
     if box[0]:
         raise InputError(box[0])
@@ -219,13 +219,13 @@ def save(rt: Any, path: str | os.PathLike, extra: dict | None = None) -> Path:
                 shutil.rmtree(partial, ignore_errors=True)  # what a crashed save left
         except OSError as error:
             problem = f"cannot write a checkpoint at {path}: {error}"
-    _agree(problem)
+    _agree(rt, problem)
     regions = _model_regions(rt) + _master_regions(rt)
     if rt.optimizer is not None:
         regions += _optimizer_regions(rt, {id(p): s for p, s in rt.optimizer.state.items()})
     state: dict[str, Any] = {**_as_pieces(regions), **_rng_state(rt)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=PiecesSavePlanner(),
-             no_dist=not dist.is_initialized())  # fmt: skip
+             process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
     if rt.rank == 0:
         groups = [
             {k: _jsonable(v) for k, v in group.items() if k != "params"}
@@ -240,7 +240,7 @@ def save(rt: Any, path: str | os.PathLike, extra: dict | None = None) -> Path:
         partial.rename(path)
         shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=rt.world_group)
     return path
 
 
@@ -280,7 +280,7 @@ def _check_model_keys(rt: Any, stored: dict[str, Any]) -> None:
                 raise InputError(f"{key}: shape {got} in the checkpoint, {want} in the model")
 
 
-def _load_into_new_buffers(path: Path, regions: list[Region], plain: dict[str, torch.Tensor]) -> list[tuple]:
+def _load_into_new_buffers(rt: Any, path: Path, regions: list[Region], plain: dict[str, torch.Tensor]) -> list[tuple]:
     """Read ``regions`` and ``plain`` tensors from the checkpoint into new buffers; (live, new) pairs."""
     pairs, shadow = [], []
     for region in regions:
@@ -290,7 +290,7 @@ def _load_into_new_buffers(path: Path, regions: list[Region], plain: dict[str, t
     state: dict[str, Any] = {**_as_pieces(shadow), **plain}
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=PiecesLoadPlanner(),
-                 no_dist=not dist.is_initialized())  # fmt: skip
+                 process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
     except (Exception, CheckpointException) as error:  # a truncated or corrupted data file: every rank raises
         raise InputError(f"could not read the checkpoint at {path}: {str(error).strip()[:2000]}") from None
     return pairs
@@ -333,10 +333,10 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
         if fqn.startswith(mine)
     }
     rng = rng if same_mesh else {}
-    pairs = _load_into_new_buffers(path, regions, rng)
+    pairs = _load_into_new_buffers(rt, path, regions, rng)
     master_pairs = []
     if rt.holder.masters is not None and rt.holder.masters.separate:
-        master_pairs = _load_into_new_buffers(path, _master_regions(rt, source), {})
+        master_pairs = _load_into_new_buffers(rt, path, _master_regions(rt, source), {})
     # Everything read: now change the program's state.
     with torch.no_grad():
         for live, new in pairs + master_pairs:
@@ -408,5 +408,5 @@ def save_full(rt: Any, path: str | os.PathLike, *, masters: bool = True) -> Path
         save_file({k: v.contiguous() for k, v in full.items()}, str(path))
         shutil.rmtree(parts, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=rt.world_group)
     return path if rt.rank == 0 else None

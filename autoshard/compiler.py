@@ -54,6 +54,7 @@ class Compiled:
     stages_of: dict[int, frozenset[int]]  # id(tensor) -> the pipeline stages that read it
     master_values: dict[int, torch.Tensor] | None  # fp32 starting values under mixed precision
     analysis_log: list[str]
+    timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
 
 
 def _resolve_mesh(mesh: Any) -> int | Mesh:
@@ -178,15 +179,20 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     *,
     example_target: Any = None,
     device: DeviceSpec | None = None,
+    timeout: float = 300.0,
 ) -> Any:
     """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
     example_inputs (and example_kwargs, example_target) are one global batch. ``optimizer`` is a
     callable from parameters to a torch optimizer (parameter groups welcome). Works offline (no
     process group) for inspection; under a process group the mesh must match the world size.
+    ``timeout``: seconds a rank waits in any collective or send/recv before its step fails with the
+    step and the operation named (a rank that died or stalls never hangs the others).
     """
     from autoshard.program import Program
 
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InputError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=300")
     resolved = _resolve_mesh(mesh)
     overrides = _resolve_plan(plan)
     if optimizer is not None and not callable(optimizer):
@@ -291,7 +297,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     compiled = Compiled(
         captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
-        master_values=master_values,
+        master_values=master_values, timeout=float(timeout),
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)

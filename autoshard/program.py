@@ -22,7 +22,7 @@ from autoshard.errors import DistributedError, InputError
 from autoshard.mesh import MESH_DIMS
 from autoshard.placements import Placement
 from autoshard.runtime import state
-from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.comm import CommCounter, is_comm_failure
 from autoshard.runtime.forward import ForwardRunner
 from autoshard.runtime.pipeline import PipelineStats
 from autoshard.runtime.rank import RankRuntime
@@ -184,7 +184,16 @@ class Program:
         call = self.compiled.captured.call
         flat = call.flatten_inputs(inputs, kwargs) + call.flatten_target(target)
         call.check_against(flat, runtime.input_shapes)
-        return runtime.step(flat)
+        try:
+            return runtime.step(flat)
+        except RuntimeError as error:  # a peer died or stalled: say where, in one line
+            if not is_comm_failure(error):
+                raise
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            raise DistributedError(
+                f"rank {self.rank}: step {runtime.steps + 1} failed in {self.comm.last_op or 'a collective'} "
+                f"(timeout {self.compiled.timeout:g}s; another rank died or stalled): {first}"
+            ) from error
 
     def train(self, mode: bool = True) -> Program:
         """Forward calls compute as in training (dropout on); ``step()`` always trains."""

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cases import build_case, compile_case, train_local_batches
+from cases import adamw, build_case, train_local_batches
 
 import autoshard
 
@@ -14,7 +14,13 @@ import autoshard
 def _program(family: str, mesh: dict[str, int], plan: dict[str, Any], steps: int, **shape: Any):
     case = build_case(family, steps, **shape)
     optimizer = _optimizer(plan.pop("optimizer", "adamw"))
-    return case, compile_case(case, autoshard.Mesh(**mesh), plan=plan, optimizer=optimizer)
+    timeout = plan.pop("timeout", 300.0)
+    first = case.batches[0]
+    program = autoshard.compile(
+        case.model, autoshard.Mesh(**mesh), first.inputs, example_kwargs=first.kwargs, loss_fn=case.loss_fn,
+        optimizer=optimizer or adamw, plan=plan, example_target=first.target, timeout=timeout,
+    )  # fmt: skip
+    return case, program
 
 
 def _optimizer(name: str) -> Any:
@@ -125,3 +131,33 @@ def killed_inside_save(rank: int, world_size: int, family: str, mesh: dict, plan
 
         chunks.PiecesSavePlanner.lookup_object = die
     program.save(Path(directory) / "step-4", extra={"next_batch": 4, "note": "resume"})
+
+
+def fail_at_second_step(
+    rank: int, world_size: int, family: str, mesh: dict, plan: dict, fault: str, **shape: Any
+) -> dict:
+    """Compile with a 5 s timeout and train a step; in the second, rank 1 dies (SIGKILL) or stalls. The
+    others report how long their step took to fail and its message (raised when a rank died, as the
+    pool then reports errors only)."""
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    case, program = _program(family, mesh, {**plan, "timeout": 5.0}, 2, **shape)
+    train_local_batches(program, dataclasses.replace(case, batches=case.batches[:1]))
+    if rank == 1:
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(20)  # alive but stuck; then it leaves without stepping
+        return {"message": "", "seconds": 0.0}
+    start = time.perf_counter()
+    try:
+        train_local_batches(program, dataclasses.replace(case, batches=case.batches[1:]))
+        message = ""
+    except autoshard.DistributedError as error:
+        message = str(error)
+    seconds = time.perf_counter() - start
+    if fault == "kill":
+        raise RuntimeError(f"REPORT {seconds:.1f}s {message}")
+    return {"message": message, "seconds": seconds}

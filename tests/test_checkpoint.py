@@ -216,3 +216,10 @@ def test_save_full_loads_into_the_hugging_face_model(ranks, tmp_path: Path, fami
         for result in results:
             expected = model(result["ids"], use_cache=False).logits
             torch.testing.assert_close(result["logits"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_two_runs_of_the_same_program_are_bitwise_equal(ranks) -> None:
+    mesh, plan = {"dp": 2, "tp": 2}, {"zero": 1}
+    first, second = (ranks(4).run(train_straight, "gpt2", mesh, plan, 2, dropout=0.1)[0] for _ in range(2))
+    assert first["losses"] == second["losses"]
+    assert all(torch.equal(second["state"][k], v) for k, v in first["state"].items())

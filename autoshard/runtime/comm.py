@@ -42,9 +42,11 @@ class CommCounter:
     group: dist.ProcessGroup | None = None
     calls: Counter = field(default_factory=Counter)
     volume_bytes: Counter = field(default_factory=Counter)
+    last_op: str = ""  # the latest operation started: what a failed step was waiting in
 
     def count(self, op: str, nbytes: int) -> None:
         """Record ``nbytes`` moved by ``op`` (the pipeline's point-to-point sends count as "send")."""
+        self.last_op = op
         self.calls[op] += 1
         self.volume_bytes[op] += nbytes
 
@@ -115,3 +117,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the very same memory (so copying one into the other is a no-op)."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    """Whether an exception came from a collective or send/recv (a peer died, or the wait timed out)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))

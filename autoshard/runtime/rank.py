@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,13 +43,13 @@ MODEL_PREFIX = "model."
 TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
 
 
-def make_group(mesh: Any, rank: int, dim: str) -> dist.ProcessGroup | None:
+def make_group(mesh: Any, rank: int, dim: str, timeout: timedelta, world: Any) -> dist.ProcessGroup | None:
     """This rank's process group along mesh dimension ``dim`` (every rank creates every group, in order)."""
     if mesh.degree(dim) == dist.get_world_size():
-        return None  # the default group
+        return world
     mine = None
     for ranks in mesh.groups(dim):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -88,19 +89,22 @@ class RankRuntime:
         self.stages = {s.stage: s for s in stages}
         self.graphs: dict[int, fx.GraphModule] = {s.stage: s.gm for s in stages} or {0: compiled.captured.gm}
         distributed = dist.is_initialized()
-        # 1. process groups
-        self.dp_group = make_group(mesh, self.rank, "dp") if distributed else None
+        # 1. process groups, every one with the compile-time timeout
+        timeout = timedelta(seconds=compiled.timeout)
+        self.world_group = dist.new_group(list(range(mesh.size)), timeout=timeout) if distributed else None
+        groups = (timeout, self.world_group)
+        self.dp_group = make_group(mesh, self.rank, "dp", *groups) if distributed else None
         comm.group = self.dp_group
-        tp_group = make_group(mesh, self.rank, "tp") if distributed and plan.tp > 1 else None
-        self.pp_group = make_group(mesh, self.rank, "pp") if distributed and plan.pp > 1 else None
-        self.p2p_group = dist.new_group(list(range(mesh.size))) if distributed and plan.pp > 1 else None
+        tp_group = make_group(mesh, self.rank, "tp", *groups) if distributed and plan.tp > 1 else None
+        self.pp_group = make_group(mesh, self.rank, "pp", *groups) if distributed and plan.pp > 1 else None
+        self.p2p_group = self.world_group if plan.pp > 1 else None
         self.ties: dict[tuple[int, ...], Any] = {}
         tied_sets = sorted({p.pp.ranks for p in compiled.placements.values() if p.tied})
         for pp_ranks in tied_sets:
             for dp in range(mesh.dp):
                 for tp in range(mesh.tp):
                     ranks = [mesh.rank_of(pp=r, dp=dp, tp=tp) for r in pp_ranks]
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
                         self.ties[pp_ranks] = group
         # 2. tensor parallelism
@@ -275,7 +279,7 @@ class RankRuntime:
         self._loss.fill_(0.0)
         if loss is not None and last_stage:
             self._loss += loss.double()
-        work = dist.all_reduce(self._loss, async_op=True) if dist.is_initialized() else None
+        work = dist.all_reduce(self._loss, group=self.world_group, async_op=True) if dist.is_initialized() else None
         if holder.masters is not None:
             holder.masters.set_grads(holder.grad_shards)
         self.last_step_memory = self.memory()
@@ -292,7 +296,7 @@ class RankRuntime:
 
     def _sum_all(self, tensor: torch.Tensor) -> None:
         if dist.is_initialized():
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.world_group)
 
     def _sum_over_model(self) -> None:
         """Gradients that are partial along tp, or split over tied copies on other pipeline ranks, summed."""
