@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from autoshard.passes import tp_rewrite
+from checkpoint import bench_checkpoint
 from recompute import bench_recompute
 
 import autoshard
@@ -702,6 +703,7 @@ BENCHMARKS = {
     "tp": bench_tp,
     "fsdp-tp": bench_fsdp_tp,
     "recompute": lambda: bench_recompute(report),
+    "checkpoint": lambda: bench_checkpoint(report),
 }
 
 

@@ -149,7 +149,7 @@ def fail_at_second_step(
     if rank == 1:
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(20)  # alive but stuck; then it leaves without stepping
+        time.sleep(10)  # alive but stuck past the others' 5 s timeout; then it leaves without stepping
         return {"message": "", "seconds": 0.0}
     start = time.perf_counter()
     try:

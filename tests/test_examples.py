@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun_two_ranks(script: str, *args: str) -> subprocess.CompletedProcess:
+def torchrun_two_ranks(script: str, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", str(restarts)] if restarts else []
     out = subprocess.run(
         [*cmd, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=300, env=env
     )
@@ -53,3 +56,21 @@ def test_torchrun_tensor_parallel_example_trains_on_two_ranks() -> None:
     assert "blocks.0                       2 all_gather bwd, 2 all_gather fwd, 2 reduce_scatter bwd" in out.stdout
     losses = [float(line.split("loss ")[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and "trained" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_job_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
+    """Rank 1 exits before step 3; torchrun starts the job again, which loads step-2 and trains on to
+    the same losses and parameters as a run that never failed."""
+    straight = torchrun_two_ranks("train_dp.py", "--steps", "6")
+    ckpt = str(tmp_path / "ckpt")
+    args = ("--steps", "6", "--checkpoint-dir", ckpt, "--every", "2", "--fail-at-step", "3")
+    restarted = torchrun_two_ranks("train_dp.py", *args, restarts=1)
+    assert f"resumed from {ckpt}/step-2 at step 2" in restarted.stdout
+
+    def tail(out: subprocess.CompletedProcess) -> list[str]:
+        lines = [line for line in out.stdout.splitlines() if line.startswith(("step ", "parameter sum"))]
+        return lines[-5:]  # steps 2..5 (the restarted attempt's) and the final parameter sum
+
+    assert tail(restarted) == tail(straight)
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"step-2", "step-4", "step-6"}
