@@ -92,7 +92,7 @@ def test_grid(ranks, case) -> None:
         ("gpt2", False),
         pytest.param("gpt2", True, marks=pytest.mark.slow),
         pytest.param("llama", False, marks=pytest.mark.slow),
-        ("llama", True),
+        pytest.param("llama", True, marks=pytest.mark.slow),
     ],
     ids=["gpt2-", "gpt2-sp", "llama-", "llama-sp"],
 )
@@ -101,7 +101,7 @@ def test_zero3_inside_a_tensor_parallel_mesh(ranks, family: str, sequence_parall
     run_case(ranks, family, {"dp": 2, "tp": 2}, {"zero": 3, "sequence_parallel": sequence_parallel})
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_with_weights_tied_across_stages(ranks, zero: int) -> None:
     """GPT-2's embedding and head on the first and last stage: tied gradients summed, then sharded."""
     run_case(ranks, "gpt2", {"dp": 2, "pp": 2}, {"zero": zero})
@@ -129,7 +129,7 @@ def test_clipping_norm_on_a_3d_mesh_is_the_single_device_norm(ranks) -> None:
     "family, plan",
     [
         pytest.param("llama", {"zero": 3, "sequence_parallel": True}, marks=pytest.mark.slow),  # 45 s here
-        ("gpt2", {"zero": 1}),
+        pytest.param("gpt2", {"zero": 1}, marks=pytest.mark.slow),  # 8 ranks start in 30 s here
     ],
     ids=["llama-zero3-sp", "gpt2-zero1"],
 )
@@ -151,7 +151,11 @@ def test_parameter_groups_and_lr_schedule(ranks, mesh: dict, plan: dict) -> None
 
 @pytest.mark.parametrize(
     "mesh, plan",
-    [({"dp": 2, "tp": 2}, {"zero": 3}), ({"pp": 2}, {"microbatches": 2}), ({"tp": 2, "pp": 2}, {"microbatches": 2})],
+    [
+        ({"dp": 2, "tp": 2}, {"zero": 3}),
+        ({"pp": 2}, {"microbatches": 2}),
+        pytest.param({"tp": 2, "pp": 2}, {"microbatches": 2}, marks=pytest.mark.slow),
+    ],
     ids=["dp2xtp2-zero3", "pp2", "tp2xpp2"],
 )
 def test_eval_mode_matches_the_model_in_eval_mode(ranks, mesh: dict, plan: dict) -> None:

@@ -111,7 +111,14 @@ def test_cut_inside_a_block_sends_several_tensors(ranks) -> None:
     assert "pipeline_send(pipe, 0, 3," in results[0]["graphs"][0]
 
 
-@pytest.mark.parametrize("plan", [{"zero": 1}, {"zero": 2, "max_grad_norm": 0.05}, {"zero": 1, "offload": True}])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        pytest.param({"zero": 1}, marks=pytest.mark.slow),
+        {"zero": 2, "max_grad_norm": 0.05},
+        pytest.param({"zero": 1, "offload": True}, marks=pytest.mark.slow),
+    ],
+)
 def test_zero_with_pipeline_matches_single_device(ranks, plan: dict) -> None:
     """dp2 x pp2 with ZeRO-1/2: each stage's optimizer state (and gradients) sharded over its dp pair."""
     results = ranks(4).run(train_pipeline, "llama", {"dp": 2, "pp": 2}, {**plan, "microbatches": 2})

@@ -296,7 +296,11 @@ def check_tp_with_pipeline(ranks, config: str) -> None:
 
 @pytest.mark.parametrize(
     "plan",
-    [{"zero": 1}, {"zero": 2, "max_grad_norm": 0.05}, {"zero": 1, "sequence_parallel": True, "max_grad_norm": 0.05}],
+    [
+        pytest.param({"zero": 1}, marks=pytest.mark.slow),
+        pytest.param({"zero": 2, "max_grad_norm": 0.05}, marks=pytest.mark.slow),
+        {"zero": 1, "sequence_parallel": True, "max_grad_norm": 0.05},
+    ],
     ids=["zero1", "zero2-clip", "zero1-sp-clip"],
 )
 def test_tp_with_zero_matches_single_device(ranks, plan: dict) -> None:
