@@ -30,9 +30,37 @@ def init_from_torchrun(timeout: timedelta | None = None) -> Any:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    _refuse_a_restart_on_the_shared_store()
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
     return device
+
+
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def _refuse_a_restart_on_the_shared_store() -> None:
+    """torchrun's agent shares its rendezvous store with the workers and keeps it across restarts, so a
+    restarted worker can read the failed attempt's process-group addresses and hang or fail to connect
+    (pytorch/pytorch#135712). Fail the restarted attempt at once with the fix instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        from autoshard.errors import DistributedError
+
+        raise DistributedError(
+            f"this is restart {os.environ['TORCHELASTIC_RESTART_COUNT']} of a torchrun job whose workers share "
+            f"the agent's store, which still holds the failed attempt's addresses (process groups would hang); "
+            f"launch torchrun with {SHARED_STORE_FIX} in its environment so every attempt gets a fresh store"
+        )
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
+        import logging
+
+        logging.getLogger("autoshard").warning(
+            "torchrun --max-restarts without %s: a restarted attempt would read stale addresses from the "
+            "shared store, so it will stop with this fix named instead of resuming",
+            SHARED_STORE_FIX,
+        )
 
 
 class RankFailure(RuntimeError):
