@@ -36,7 +36,7 @@ from autoshard.errors import InputError
 from autoshard.placements import Shard
 from autoshard.runtime.chunks import Pieces, PiecesLoadPlanner, PiecesSavePlanner, SafeReader, TpSlice, pieces
 
-__all__ = ["latest_checkpoint", "load", "save", "save_full"]
+__all__ = ["latest_checkpoint", "load", "resume", "save", "save_full"]
 
 INFO = "autoshard.json"
 FORMAT = 1
@@ -235,6 +235,7 @@ def save(rt: Any, path: str | os.PathLike, extra: dict | None = None) -> Path:
                 "plan": str(rt.plan), "param_groups": groups, "extra": info_extra, "saved_at": time.time()}  # fmt: skip
         (partial / INFO).write_text(json.dumps(info, indent=1))
         old = path.parent / f".{path.name}.old"
+        shutil.rmtree(old, ignore_errors=True)  # a crash between the two renames left it
         if path.exists():
             path.rename(old)
         partial.rename(path)
@@ -386,6 +387,18 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(found)[2] if found else None
+
+
+def resume(rt: Any, directory: str | os.PathLike) -> Path | None:
+    """Load the newest complete checkpoint under ``directory`` if there is one (rank 0 looks, so every
+    rank loads the same one even while another job writes there); the path loaded, or None."""
+    found = [str(latest_checkpoint(directory) or "")] if rt.rank == 0 else [None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0, group=rt.world_group)
+    if not found[0]:
+        return None
+    load(rt, found[0])
+    return Path(found[0])
 
 
 def save_full(rt: Any, path: str | os.PathLike, *, masters: bool = True) -> Path | None:

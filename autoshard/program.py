@@ -171,8 +171,7 @@ class Program:
             raise InputError(
                 f"a batch of {rows} rows is not divisible by dp={dp}; use a global batch that is a multiple of {dp}"
             )
-        index = self.mesh.coords(self.rank)["dp"]
-        per = rows // dp
+        index, per = self.mesh.coords(self.rank)["dp"], rows // dp
         return global_tensor[index * per : (index + 1) * per]
 
     def step(self, *inputs: torch.Tensor, target: Any = None, **kwargs: torch.Tensor) -> float:
@@ -236,6 +235,10 @@ class Program:
     def load(self, path: str | os.PathLike) -> dict | None:
         """Restore a checkpoint saved under any plan of the same model; returns its ``extra``. Every rank."""
         return checkpoint.load(self._runtime("load()"), path)
+
+    def resume(self, directory: str | os.PathLike) -> Path | None:
+        """Load the newest complete checkpoint under ``directory``, if any (every rank the same); its path or None."""
+        return checkpoint.resume(self._runtime("resume()"), directory)
 
     def save_full(self, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
         """The consolidated model state as one safetensors file (rank 0 writes; every rank calls)."""
