@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
     demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from autoshard.demo import main as demo_main

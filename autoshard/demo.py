@@ -13,7 +13,7 @@ from torch import nn
 import autoshard
 from autoshard.launch import LocalRanks
 
-__all__ = ["TinyGPT", "main"]
+__all__ = ["TinyGPT", "main", "next_token_loss", "successor_batch"]
 
 
 class Block(nn.Module):
@@ -65,13 +65,20 @@ def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def successor_batch(step: int, batch: int, seq: int, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``step`` of a task a small model learns in seconds, so the loss visibly falls: every
+    token is followed by its successor in one fixed permutation of the vocabulary, from a random first
+    token per row. The same on every rank (seeded by ``step``), so a resumed run continues the stream."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))
+    tokens = [torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(1000 + step))]
+    for _ in range(seq):
+        tokens.append(successor[tokens[-1]])
+    rows = torch.stack(tokens, dim=1)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
 def _batches(steps: int, batch: int, seq: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return out
+    return [successor_batch(step, batch, seq, vocab) for step in range(steps)]
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
@@ -115,7 +122,7 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, seq: int) -> dict[
     }
 
 
-def main(ranks: int = 4, steps: int = 5, batch: int = 16, seq: int = 32) -> int:
+def main(ranks: int = 4, steps: int = 20, batch: int = 16, seq: int = 32) -> int:
     print(f"autoshard demo: TinyGPT on {ranks} local gloo ranks, global batch {batch} x {seq} tokens, {steps} steps")
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank, steps, batch, seq)
@@ -134,6 +141,6 @@ def main(ranks: int = 4, steps: int = 5, batch: int = 16, seq: int = 32) -> int:
     print(f"largest relative parameter difference after {steps} steps: {diffs[worst_name]:.2e} ({worst_name})")
     print(f"every rank returned the same losses: {same_on_all}")
     close = all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(first["losses"], ref_losses))
-    ok = same_on_all and close and diffs[worst_name] < 1e-5
+    ok = same_on_all and close and diffs[worst_name] < 1e-4  # float sums in another order, through Adam
     print("OK: distributed training matches single-device training" if ok else "MISMATCH")
     return 0 if ok else 1
