@@ -1,10 +1,15 @@
 """Pipeline-parallel training of a small GPT with autoshard, one process per rank.
 
     torchrun --nproc-per-node 4 examples/train_pp.py --pp 2 --schedule 1f1b --microbatches 4
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 4 --max-restarts 3 \
+        examples/train_pp.py --pp 2 --checkpoint-dir ckpt
 
 The mesh is dp x pp = world size. autoshard cuts the model into pp stages of balanced cost, each
 rank runs its stage's graph in the schedule's order, and activations and their gradients travel
 between neighbouring ranks. Rank 0 prints the plan, the stages and the schedule as a table.
+
+With --checkpoint-dir it saves every --every steps and resumes from the latest checkpoint there
+by itself when started again (by torchrun after a rank failed, or by hand).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from training_loop import add_loop_args, batches, train
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
@@ -24,9 +30,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks per pipeline)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=32)
+    add_loop_args(parser)
     args = parser.parse_args()
 
     device = init_from_torchrun()  # NCCL and cuda:LOCAL_RANK with GPUs, gloo on CPU
@@ -36,13 +40,9 @@ def main() -> None:
     torch.manual_seed(0)
     virtual = 2 if args.schedule == "interleaved_1f1b" else 1
     model = TinyGPT(layers=2 * args.pp * virtual).to(device)
-    gen = torch.Generator().manual_seed(1)  # every rank draws the same global batches
 
-    def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(device)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    ids, target = global_batch()
+    global_batch = batches(args, device)
+    ids, target = global_batch(0)
     program = autoshard.compile(
         model,
         autoshard.Mesh(dp=world // args.pp, pp=args.pp),
@@ -56,12 +56,7 @@ def main() -> None:
         text = program.explain()
         print(text.split("\n\ncandidates:")[0], flush=True)
         print(text[text.index("pipeline stages:") : text.index("\n\npasses:")], flush=True)
-    for step in range(args.steps):
-        loss = program.step(program.local_batch(ids), target=program.local_batch(target))
-        if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.4f}", flush=True)
-        ids, target = global_batch()
-    state = program.full_state_dict()  # gathered from every stage onto rank 0
+    state = train(program, global_batch, args)
     if dist.get_rank() == 0:
         print(f"trained {len(state)} tensors across {args.pp} stages")
     dist.destroy_process_group()

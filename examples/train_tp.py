@@ -1,11 +1,16 @@
 """Tensor-parallel training of a small GPT with autoshard, one process per rank.
 
     torchrun --nproc-per-node 4 examples/train_tp.py --tp 2 --sequence-parallel
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 4 --max-restarts 3 \
+        examples/train_tp.py --tp 2 --checkpoint-dir ckpt
 
 The mesh is dp x tp = world size. autoshard finds Megatron's layout on its own: the fused QKV and the
 first MLP linear column-parallel, the attention output and second MLP linear row-parallel, the tied
 embedding and LM head vocab-parallel with a vocab-parallel cross-entropy. Rank 0 prints the plan and
 each weight's placement; every rank holds 1/tp of each sharded weight.
+
+With --checkpoint-dir it saves every --every steps and resumes from the latest checkpoint there
+by itself when started again (by torchrun after a rank failed, or by hand).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from training_loop import add_loop_args, batches, train
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
@@ -24,9 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks per model replica)")
     parser.add_argument("--sequence-parallel", action="store_true", help="norms and dropout on sequence shards")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=32)
+    add_loop_args(parser)
     args = parser.parse_args()
 
     device = init_from_torchrun()  # NCCL and cuda:LOCAL_RANK with GPUs, gloo on CPU
@@ -35,13 +39,9 @@ def main() -> None:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
     torch.manual_seed(0)
     model = TinyGPT().to(device)
-    gen = torch.Generator().manual_seed(1)  # every rank draws the same global batches
 
-    def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(device)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    ids, target = global_batch()
+    global_batch = batches(args, device)
+    ids, target = global_batch(0)
     program = autoshard.compile(
         model,
         autoshard.Mesh(dp=world // args.tp, tp=args.tp),
@@ -55,12 +55,7 @@ def main() -> None:
         text = program.explain()
         print(text.split("\n\ncandidates:")[0], flush=True)
         print(text[text.index("tensor parallel (") : text.index("\n\npasses:")], flush=True)
-    for step in range(args.steps):
-        loss = program.step(program.local_batch(ids), target=program.local_batch(target))
-        if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.4f}", flush=True)
-        ids, target = global_batch()
-    state = program.full_state_dict()  # the shards joined on rank 0, in the model's own shapes
+    state = train(program, global_batch, args)
     if dist.get_rank() == 0:
         print(f"trained {len(state)} tensors, sharded over tp={args.tp}")
     dist.destroy_process_group()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,15 +15,46 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun_two_ranks(script: str, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", str(restarts)] if restarts else []
-    out = subprocess.run(
-        [*cmd, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (torchrun's workers run in sessions of their own)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *_descendants(child)]
     return out
+
+
+def torchrun_two_ranks(
+    script: str, *args: str, restarts: int = 0, fresh_store: bool = True, check: bool = True
+) -> subprocess.CompletedProcess:
+    """torchrun on 2 ranks; on a timeout it and every worker it started are killed. With restarts, the
+    agent gets a fresh store per attempt (launch.SHARED_STORE_FIX) unless ``fresh_store=False``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if restarts and fresh_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", str(restarts), "--monitor-interval", "1"] if restarts else []
+    cmd += [str(ROOT / "examples" / script), *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode == -signal.SIGKILL:
+        pytest.fail(f"{script} {' '.join(args)} ran past 300 s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    if check:
+        assert proc.returncode == 0, stderr[-3000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def test_torchrun_example_trains_on_two_ranks() -> None:
@@ -43,8 +77,11 @@ def test_torchrun_pipeline_example_trains_on_two_ranks() -> None:
 def test_demo_matches_single_device(capsys) -> None:
     from autoshard.demo import main
 
-    assert main(ranks=2, steps=2) == 0
+    assert main(ranks=2, steps=6) == 0
     out = capsys.readouterr().out
+    table = out[out.index("autoshard loss") :].splitlines()[1:7]  # step, autoshard loss, single-device loss, ...
+    losses = [float(line.split()[1]) for line in table]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5  # the demo's task is learnt: the loss visibly falls
     assert "OK: distributed training matches single-device training" in out
     assert "plan: Plan(dp=2, tp=1, pp=1, zero=0, bucket=25MiB)" in out
 
@@ -59,13 +96,17 @@ def test_torchrun_tensor_parallel_example_trains_on_two_ranks() -> None:
 
 
 @pytest.mark.slow
-def test_a_job_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "script, options",
+    [("train_dp.py", ()), ("train_tp.py", ("--sequence-parallel",)), ("train_pp.py", ("--schedule", "1f1b"))],
+)
+def test_a_job_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path: Path, script, options) -> None:
     """Rank 1 exits before step 3; torchrun starts the job again, which loads step-2 and trains on to
     the same losses and parameters as a run that never failed."""
-    straight = torchrun_two_ranks("train_dp.py", "--steps", "6")
+    straight = torchrun_two_ranks(script, "--steps", "6", *options)
     ckpt = str(tmp_path / "ckpt")
-    args = ("--steps", "6", "--checkpoint-dir", ckpt, "--every", "2", "--fail-at-step", "3")
-    restarted = torchrun_two_ranks("train_dp.py", *args, restarts=1)
+    args = ("--steps", "6", "--checkpoint-dir", ckpt, "--every", "2", "--fail-at-step", "3", *options)
+    restarted = torchrun_two_ranks(script, *args, restarts=1)
     assert f"resumed from {ckpt}/step-2 at step 2" in restarted.stdout
 
     def tail(out: subprocess.CompletedProcess) -> list[str]:
@@ -74,3 +115,13 @@ def test_a_job_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path
 
     assert tail(restarted) == tail(straight)
     assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"step-2", "step-4", "step-6"}
+
+
+@pytest.mark.slow
+def test_a_restart_on_torchruns_shared_store_stops_with_the_fix_named(tmp_path: Path) -> None:
+    """Without a fresh store per attempt the restarted workers would read the failed attempt's addresses
+    and hang; they stop at once instead, naming the environment variable that fixes it."""
+    args = ("--steps", "4", "--checkpoint-dir", str(tmp_path), "--every", "2", "--fail-at-step", "3")
+    out = torchrun_two_ranks("train_dp.py", *args, restarts=1, fresh_store=False, check=False)
+    assert out.returncode != 0
+    assert "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out.stderr
