@@ -23,7 +23,7 @@ def fmt_count(value: int) -> str:
 
 
 def explain(program: Any) -> str:
-    report, cost = program.report, program.cost
+    report, cost = program.plan_report, program.cost
     sizes = report.sizes
     size_str = ", ".join(f"{k}={v}" for k, v in sizes.items())
     chosen = report.chosen
@@ -68,7 +68,7 @@ def explain(program: Any) -> str:
 
 def _saved_for_backward(program: Any) -> list[str]:
     """What autograd keeps per graph call, by layer and category, at the example's rows per call."""
-    plan, sizes = program.plan, dict(program.report.sizes)
+    plan, sizes = program.plan, dict(program.plan_report.sizes)
     rows = sizes["B"] // plan.dp // plan.microbatches
     at = {**sizes, "B": rows}
     recompute = plan.recompute if isinstance(plan.recompute, str) else "blocks " + ", ".join(plan.recompute)

@@ -54,19 +54,22 @@ __all__ = [
     "get_zero_group",
 ]
 
-SHAPE = "autoshard.shape"  # written by passes.shape_prop
-LAYER = "autoshard.layer"  # written by passes.layer_assign
-COST = "autoshard.cost"  # written by passes.cost_model
-GRAD_BUCKET = "autoshard.grad_bucket"  # written by passes.grad_buckets
-ZERO_GROUP = "autoshard.zero_group"  # written by passes.zero_groups
-ZERO3 = "autoshard.zero3"  # written by passes.zero3_gather_free
-STAGE = "autoshard.stage"  # written by passes.pipeline_split
-PIPE = "autoshard.pipe"  # written by passes.pipeline_stages
-TP = "autoshard.tp"  # written by passes.tp_placement
-TP_COMM = "autoshard.tp_comm"  # written by passes.tp_rewrite
-RECOMPUTE = "autoshard.recompute"  # written by passes.recompute
-SAVED = "autoshard.saved"  # written by passes.saved_tensors
-USER_RECOMPUTE = "autoshard.user_recompute"  # written at capture: the model's own torch.utils.checkpoint regions
+# The node.meta keys, each written by one pass (PRODUCERS below).
+(SHAPE, LAYER, COST, GRAD_BUCKET, ZERO_GROUP, ZERO3, STAGE, PIPE, TP, TP_COMM, RECOMPUTE, SAVED, USER_RECOMPUTE) = (
+    "autoshard.shape",
+    "autoshard.layer",
+    "autoshard.cost",
+    "autoshard.grad_bucket",
+    "autoshard.zero_group",
+    "autoshard.zero3",
+    "autoshard.stage",
+    "autoshard.pipe",
+    "autoshard.tp",
+    "autoshard.tp_comm",
+    "autoshard.recompute",
+    "autoshard.saved",
+    "autoshard.user_recompute",
+)
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
 PRODUCERS = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,35 +18,14 @@ from torch import fx
 
 from autoshard import checkpoint
 from autoshard.errors import DistributedError, InputError
-from autoshard.mesh import MESH_DIMS
-from autoshard.placements import Placement
+from autoshard.rank_program import RankProgram
 from autoshard.runtime import state
 from autoshard.runtime.comm import CommCounter, is_comm_failure
 from autoshard.runtime.forward import ForwardRunner
 from autoshard.runtime.pipeline import PipelineStats
 from autoshard.runtime.rank import RankRuntime
 
-__all__ = ["Program", "RankProgram"]
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """One rank's view of the program: its coordinates, graphs and parameter placements."""
-
-    rank: int
-    coords: dict[str, int]
-    graph_modules: tuple[fx.GraphModule, ...]
-    placements: dict[str, dict[str, Placement]]
-
-    def graph_code(self) -> str:
-        return "\n".join(gm.code for gm in self.graph_modules)
-
-    def __str__(self) -> str:
-        coords = ", ".join(f"{d}={self.coords[d]}" for d in MESH_DIMS)
-        lines = [f"rank {self.rank} ({coords}): {len(self.graph_modules)} graph(s)"]
-        for name, per_dim in self.placements.items():
-            lines.append(f"  {name:<48} " + " ".join(f"{d}:{per_dim[d]}" for d in MESH_DIMS))
-        return "\n".join(lines)
+__all__ = ["Program", "RankProgram"]  # RankProgram lives in autoshard/rank_program.py
 
 
 class Program:
@@ -57,7 +35,7 @@ class Program:
         self.compiled = compiled
         self.plan = compiled.plan
         self.mesh = compiled.plan.mesh
-        self.report = compiled.report
+        self.plan_report = compiled.report  # the planner's candidates and why the winner won
         self.cost = compiled.cost
         self.schedule = compiled.schedule
         self.tp_report = compiled.tp_report

@@ -422,7 +422,7 @@ def train_tp(
         "state": program.full_state_dict(),
         "local_state": {k: v.clone() for k, v in program.state_dict().items()},
         "collectives": collectives_by_layer(gm),
-        "largest_collective": largest_collective_numel(gm, program.report.sizes),
+        "largest_collective": largest_collective_numel(gm, program.plan_report.sizes),
         "held_bytes": held,
         "full_bytes": full_bytes,
         "placements": placements,

@@ -49,7 +49,7 @@ def test_offline_program_cannot_step(gpt2_case) -> None:
 def test_int_mesh_lets_the_planner_choose(gpt2_case) -> None:
     program = compile_gpt2(gpt2_case, 16)
     assert program.mesh == Mesh(dp=16)
-    report = program.report
+    report = program.plan_report
     shapes = {(c.plan.dp, c.plan.tp, c.plan.pp) for c in report.candidates}
     assert (4, 4, 1) in shapes and (2, 2, 4) in shapes  # every factorization was considered
     assert report.chosen.fits
