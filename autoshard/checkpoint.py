@@ -173,6 +173,8 @@ def _rng_state(rt: Any) -> dict[str, torch.Tensor]:
         out[f"rng.{rt.rank}.cuda"] = torch.cuda.get_rng_state(rt.device)
     for device, state in rt.tp._streams.items() if rt.tp is not None else ():
         out[f"rng.{rt.rank}.tp.{device}"] = state
+    if rt.masks is not None:  # the single-device sequence dropout masks are drawn from
+        out[f"rng.{rt.rank}.masks"] = rt.masks.state
     return out
 
 
@@ -371,6 +373,9 @@ def _restore_rng(rt: Any, rng: dict[str, torch.Tensor], same_mesh: bool, info: d
             torch.set_rng_state(state)
         elif kind == "cuda":
             torch.cuda.set_rng_state(state, rt.device)
+        elif kind == "masks":
+            if rt.masks is not None:
+                rt.masks.state = state
         else:
             rt.tp._streams[kind.removeprefix("tp.")] = state
 

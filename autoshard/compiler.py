@@ -54,6 +54,10 @@ class Compiled:
     stages_of: dict[int, frozenset[int]]  # id(tensor) -> the pipeline stages that read it
     master_values: dict[int, torch.Tensor] | None  # fp32 starting values under mixed precision
     analysis_log: list[str]
+    # dropout_masks="single_device": the model's dropout ops in draw order, and the generator state when
+    # compile began (what single-device training would draw its first mask from)
+    masks: tuple[Any, ...] = ()
+    rng_state: torch.Tensor | None = None
     timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
 
 
@@ -211,6 +215,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         if isinstance(first, torch.Tensor) and first.dim() >= 1:
             _check_batch(first.shape[0], resolved.dp)
 
+    rng_state = _generator_state(model)  # before anything here could draw
     master_values = None
     param_dtype = overrides.get("param_dtype")
     if is_mixed_precision(param_dtype):
@@ -254,6 +259,10 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
             )
         results.append(run_pass(passes.tp_rewrite.PASS, gm, chosen.tp, chosen.sequence_parallel))
         tp_report.partial_grad_params = results[-1].value
+    masks: tuple = ()
+    if chosen.dropout_masks == "single_device":
+        masks = passes.dropout_masks.catalog(gm, chosen.tp)
+        results.append(run_pass(passes.dropout_masks.PASS, gm, masks))
     schedule = None
     rows = sizes["B"] // chosen.dp
     if chosen.pp == 1 and rows % chosen.microbatches:
@@ -297,10 +306,18 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     compiled = Compiled(
         captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
-        master_values=master_values, timeout=float(timeout),
+        master_values=master_values, timeout=float(timeout), masks=masks, rng_state=rng_state,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)
+
+
+def _generator_state(model: nn.Module) -> torch.Tensor | None:
+    """The state of the generator the model's dropout draws from (CUDA's when its parameters are there)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":
+        return None
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _param_or_none(gm: fx.GraphModule, target: str) -> nn.Parameter | None:

@@ -17,6 +17,8 @@ from torch import fx
 from autoshard.errors import MissingMetaError
 
 __all__ = [
+    "MASK",
+    "MaskSpec",
     "RECOMPUTE",
     "SAVED",
     "NodeSaves",
@@ -55,7 +57,22 @@ __all__ = [
 ]
 
 # The node.meta keys, each written by one pass (PRODUCERS below).
-(SHAPE, LAYER, COST, GRAD_BUCKET, ZERO_GROUP, ZERO3, STAGE, PIPE, TP, TP_COMM, RECOMPUTE, SAVED, USER_RECOMPUTE) = (
+(
+    SHAPE,
+    LAYER,
+    COST,
+    GRAD_BUCKET,
+    ZERO_GROUP,
+    ZERO3,
+    STAGE,
+    PIPE,
+    TP,
+    TP_COMM,
+    RECOMPUTE,
+    SAVED,
+    USER_RECOMPUTE,
+    MASK,
+) = (
     "autoshard.shape",
     "autoshard.layer",
     "autoshard.cost",
@@ -69,6 +86,7 @@ __all__ = [
     "autoshard.recompute",
     "autoshard.saved",
     "autoshard.user_recompute",
+    "autoshard.dropout_mask",
 )
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
@@ -88,6 +106,7 @@ PRODUCERS = {
     RECOMPUTE: "passes.recompute",
     USER_RECOMPUTE: "autoshard.capture",
     SAVED: "passes.saved_tensors",
+    MASK: "passes.dropout_masks",
 }
 
 
@@ -200,6 +219,20 @@ class RecomputeRegion:
     layer: str
     nodes: int
     inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A dropout op's mask as single-device training draws it: its place in the model's draw order, its
+    probability, its global shape (in B and S), the dimension that holds the batch rows (None: a mask
+    every dp rank uses whole) and its placement along tp (a Shard, or None when tp ranks hold it whole)."""
+
+    index: int
+    node: str
+    p: float
+    sizes: tuple[sympy.Expr, ...]
+    batch_dim: int | None
+    tp: Any = None
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,20 @@ the sets here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import fx
 
 __all__ = [
     "ALIASING",
+    "WRAPPERS",
     "GRAD_PATH_ELEMENTWISE",
     "RANDOM",
     "SHARD_PRESERVING",
     "TRAINING_ARGS",
     "packet",
+    "runs",
 ]
 
 aten = torch.ops.aten
@@ -24,6 +29,18 @@ aten = torch.ops.aten
 def packet(target: object) -> object:
     """An overload's packet (``aten.view`` for ``aten.view.default``), or the target itself."""
     return getattr(target, "overloadpacket", target)
+
+
+# Runtime functions that run an ATen op with context in front of its arguments (tp.sharded_random:
+# the tp rank's own random stream; masks.dropout: a single-device mask): function -> how to read the op
+# and its own arguments off the node's. Each runtime module registers its wrappers here.
+WRAPPERS: dict[object, Callable[[tuple], tuple[object, tuple]]] = {}
+
+
+def runs(node: fx.Node) -> tuple[object, tuple]:
+    """The ATen op a call node runs and that op's arguments, looking through the runtime's wrappers."""
+    unwrap = WRAPPERS.get(node.target)
+    return unwrap(node.args) if unwrap is not None else (node.target, node.args)
 
 
 # Op packets whose output aliases an input: they allocate no activation memory, and a parameter read

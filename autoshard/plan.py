@@ -12,10 +12,11 @@ from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.schedules import Schedule
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
+__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTE = ("none", "full", "selective")
+DROPOUT_MASKS = ("per_rank", "single_device")
 
 
 def is_mixed_precision(param_dtype: torch.dtype | None) -> bool:
@@ -52,6 +53,10 @@ class Plan:
                       its input); "selective" (keep the outputs of matmuls with weights and of communication,
                       recompute attention, norms, dropout and pointwise ops); or a tuple of block names (full
                       recomputation of just those blocks)
+    dropout_masks     "per_rank": each rank draws its own dropout masks (fast); "single_device": every rank
+                      draws each mask for the global batch as one device would and keeps its slice, so
+                      training with dropout equals single-device training bit for bit (costs draws at
+                      global size on every rank; runtime/masks.py)
     """
 
     dp: int = 1
@@ -68,6 +73,7 @@ class Plan:
     param_dtype: torch.dtype | None = None
     sequence_parallel: bool = False
     recompute: str | tuple[str, ...] = "none"
+    dropout_masks: str = "per_rank"
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Schedule):
@@ -121,6 +127,8 @@ class Plan:
             raise PlanError(
                 f"plan field recompute={self.recompute!r} must be one of {RECOMPUTE} or a tuple of block names"
             )
+        if self.dropout_masks not in DROPOUT_MASKS:
+            raise PlanError(f"plan field dropout_masks={self.dropout_masks!r} must be one of {DROPOUT_MASKS}")
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
 
@@ -169,6 +177,8 @@ class Plan:
             parts.append(f"param_dtype={str(self.param_dtype).removeprefix('torch.')}")
         if self.sequence_parallel:
             parts.append("sequence_parallel")
+        if self.dropout_masks != "per_rank":
+            parts.append(f"dropout_masks={self.dropout_masks}")
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
         return "Plan(" + ", ".join(parts) + ")"

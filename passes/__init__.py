@@ -13,6 +13,7 @@ from torch import fx
 
 from . import (
     cost_model,
+    dropout_masks,
     grad_buckets,
     layer_assign,
     pipeline_split,
@@ -36,6 +37,7 @@ __all__ = [
     "analyze",
     "check_graph",
     "cost_model",
+    "dropout_masks",
     "grad_buckets",
     "layer_assign",
     "pipeline_split",
@@ -55,6 +57,7 @@ ALL = (
     *ANALYSES,
     tp_placement.PASS,
     tp_rewrite.PASS,
+    dropout_masks.PASS,
     pipeline_split.PASS,
     grad_buckets.PASS,
     zero_groups.PASS,

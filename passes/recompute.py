@@ -39,7 +39,7 @@ from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
-from autoshard.ops import ALIASING, packet
+from autoshard.ops import ALIASING, packet, runs
 from autoshard.runtime import pipeline, recompute, zero
 from autoshard.runtime import tp as tp_ops
 from autoshard.sharding_compute_rules import matmul_dims
@@ -105,7 +105,7 @@ _HEAVY = {
 
 def _memory_heavy(node: fx.Node) -> bool:
     """Attention (a product of two activations, a softmax) or dropout: what selective recomputation is for."""
-    target = node.args[1] if node.target is tp_ops.sharded_random else node.target
+    target = runs(node)[0]
     return packet(target) in _HEAVY or matmul_dims(target) is not None
 
 

@@ -29,7 +29,8 @@ import torch
 from torch import fx
 
 from autoshard.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
-from autoshard.ops import ALIASING, packet
+from autoshard.ops import ALIASING, WRAPPERS, packet, runs
+from autoshard.runtime import masks as mask_ops
 from autoshard.runtime import pipeline, recompute, zero
 from autoshard.runtime import tp as tp_ops
 from autoshard.sharding_compute_rules import matmul_dims
@@ -98,10 +99,8 @@ def _value(expr: sympy.Expr, sizes: dict[str, int]) -> int:
 
 
 def _category(node: fx.Node) -> str:
-    if node.target is tp_ops.sharded_random:  # the random op it runs on this tp rank's stream
-        target, dims = packet(node.args[1]), matmul_dims(node.args[1])
-    else:
-        target, dims = packet(node.target), matmul_dims(node.target)
+    op = runs(node)[0]  # through tp.sharded_random or masks.dropout: the op they run
+    target, dims = packet(op), matmul_dims(op)
     if dims is not None:
         return MATMUL if any(_is_weight(node.args[i]) for i in dims) else ATTENTION
     for names, category in ((_NORMS, NORM), (_DROPOUT, DROPOUT), (_ATTENTION, ATTENTION), (_LOSS, LOSS)):
@@ -182,8 +181,10 @@ def _ops_saves(node: fx.Node, device_type: str) -> list[tuple[Any, sympy.Expr]] 
     if target is tp_ops.vocab_parallel_cross_entropy:  # the local softmax; the target, a row index, two masks
         logits, rows = get_shape(node.args[1]).tensor, get_shape(node.args[2]).tensor.numel
         return [(("own", node, 0), logits.nbytes), (node.args[2], 0), (("own", node, 1), rows * 10)]
-    if target is tp_ops.sharded_random:  # the wrapped op, as if called directly
-        return _aten_saves(node, node.args[1], node.args[2:], node.kwargs, device_type)
+    if target is mask_ops.dropout:  # x * mask: the single-device mask, in x's dtype
+        return [(("own", node, 0), get_shape(node).nbytes)] if get_shape(node.args[2]).requires_grad else []
+    if target in WRAPPERS:  # the wrapped op, as if called directly
+        return _aten_saves(node, *runs(node), node.kwargs, device_type)
     if not isinstance(target, torch._ops.OpOverload):
         return [] if get_shape(node).scalar is not None else None  # arithmetic on sizes keeps nothing
     return _aten_saves(node, target, node.args, node.kwargs, device_type)

@@ -72,6 +72,7 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
             n_layer=layers, n_embd=shape.get("width", 32), n_head=shape.get("heads", 4),
             vocab_size=shape.get("vocab", VOCAB), n_positions=32, resid_pdrop=shape.get("dropout", 0.0),
             embd_pdrop=shape.get("dropout", 0.0), attn_pdrop=shape.get("dropout", 0.0), bos_token_id=0, eos_token_id=0,
+            attn_implementation=shape.get("attention"),
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
     if family == "llama":
@@ -79,7 +80,8 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
             num_hidden_layers=layers, hidden_size=32, num_attention_heads=8,
             num_key_value_heads=shape.get("kv_heads", 4),
             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
-            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, attention_dropout=shape.get("dropout", 0.0),
+            attn_implementation=shape.get("attention"),
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg)
     if family == "bert":
@@ -87,6 +89,7 @@ def build_model(family: str, seed: int = 0, **shape: Any) -> nn.Module:
             num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
             vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=shape.get("dropout", 0.0),
             attention_probs_dropout_prob=shape.get("dropout", 0.0), pad_token_id=0,
+            attn_implementation=shape.get("attention"),
         )  # fmt: skip
         return transformers.BertForMaskedLM(cfg)
     if family == "vit":

@@ -41,7 +41,11 @@ RESUME = {
     "dp2xtp2-zero1-dropout": ("gpt2", {"dp": 2, "tp": 2}, {"zero": 1}, {"dropout": 0.1}),
     "dp2xpp2-1f1b": ("llama", {"dp": 2, "pp": 2}, {"schedule": "1f1b", "microbatches": 2}, {}),
     "dp4-zero3-offload-bf16": ("gpt2", {"dp": 4}, {"zero": 3, "offload": True, "param_dtype": torch.bfloat16}, {}),
-}
+    "dp2xpp2-single-device-dropout": (
+        "gpt2", {"dp": 2, "pp": 2}, {"dropout_masks": "single_device", "microbatches": 2},
+        {"dropout": 0.1, "attention": "eager"},
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -50,7 +54,7 @@ def test_resume_in_new_processes_is_bitwise_exact(ranks, tmp_path: Path, case: s
     check_resume(ranks, tmp_path, case)
 
 
-# All four with -m slow (40 s each here); every run draws one.
+# All five with -m slow (40 s each here); every run draws one.
 @settings(max_examples=1, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.sampled_from(list(RESUME)))
 def test_resume_in_new_processes_is_bitwise_exact_sample(ranks, tmp_path: Path, case: str) -> None:

@@ -21,9 +21,8 @@ from torch import fx
 from autoshard import passes
 from autoshard.errors import InputError
 from autoshard.meta import evaluate_expr, get_shape, get_tp
-from autoshard.ops import TRAINING_ARGS
+from autoshard.ops import TRAINING_ARGS, runs
 from autoshard.placements import Partial, Shard
-from autoshard.runtime import tp as tp_ops
 
 __all__ = ["ForwardRunner", "eval_graph", "forward_graph"]
 
@@ -50,9 +49,8 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        target, offset = node.target, 0
-        if target is tp_ops.sharded_random:  # (tp, op, *args)
-            target, offset = node.args[1], 2
+        target, args = runs(node)  # through tp.sharded_random and masks.dropout: the op and its own args
+        offset = len(node.args) - len(args)
         if target in TRAINING_ARGS:
             index, name, value = TRAINING_ARGS[target]
             if name in node.kwargs:
@@ -117,11 +115,15 @@ class ForwardRunner:
         if training not in self._graphs:
             self._graphs[training] = self._build(training)
         built = self._graphs[training]
+        if training:
+            rt.begin_masks(flat)  # a forward in training mode draws dropout masks as one device would
         with torch.no_grad():
             if rt.schedule is None:
                 outputs = list(built(*flat))
             else:
                 outputs = self._pipeline(flat, *built)
+            if training and rt.masks is not None:
+                rt.masks.end()
             return self._join_tp(outputs)
 
     def _pipeline(self, flat: list[torch.Tensor], fwd: fx.GraphModule, stages: dict[int, Any]) -> list[torch.Tensor]:

@@ -198,12 +198,16 @@ class PipelineRunner:
         max_slots: int,
         comm: Any = None,
         device: torch.device | None = None,
+        before_action: Callable[[Action], None] | None = None,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
         ``max_slots``: the most tensors crossing any one cut (the same on every rank: tags derive from it).
-        ``comm``: a CommCounter that records the bytes sent; ``device``: where received tensors live.
+        ``comm``: a CommCounter that records the bytes sent; ``device``: where received tensors live;
+        ``before_action``: called before each action runs (the runtime tells single-device dropout masks
+        the microbatch).
         """
+        self.before_action = before_action or (lambda action: None)
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.stages = stages
@@ -296,6 +300,7 @@ class PipelineRunner:
             if i + 1 < len(self.actions):
                 posted[i + 1] = self._post(self.actions[i + 1], sizes)  # overlap the next receive with this action
             began = time.perf_counter()
+            self.before_action(action)
             io = self.stages[action.stage]
             if action.kind == "F":
                 for tensor, shape in zip(received, io.recv):
@@ -343,6 +348,7 @@ class PipelineRunner:
         outputs: list[Any] = [None] * self.microbatches
         for action in (a for a in self.actions if a.kind == "F"):
             posted = self._post(action, sizes, stages)
+            self.before_action(action)
             io = stages[action.stage]
             out, sent = self._run_stage(io, posted.wait() if posted else [], per_mb[action.microbatch])
             if action.stage < self.n_stages - 1:

@@ -27,11 +27,13 @@ from torch import fx, nn
 
 from autoshard.errors import InputError
 from autoshard.meta import GRAD_BUCKET, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.placements import ParamPlacement, Shard
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
+from autoshard.runtime.masks import SingleDeviceMasks
 from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_like, optimizer_state_bytes
 from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
 from autoshard.runtime.tp import TensorParallel
@@ -123,8 +125,9 @@ class RankRuntime:
         # 4. every dp replica starts alike
         if distributed and plan.dp > 1:
             self._broadcast_from_first_dp_rank([*dict.fromkeys(self.tensors.values()), *masters.values()])
-        # 5. the holder of this rank's flat groups
+        # 5. the holder of this rank's flat groups; single-device dropout masks
         self.holder = self._make_holder(masters)
+        self.masks = self._make_masks() if compiled.masks else None
         # 6. bind, and the optimizer
         self.channel = PipelineChannel() if self.schedule else None
         for gm in self.graphs.values():
@@ -147,6 +150,8 @@ class RankRuntime:
             gm.add_submodule(ZERO3_ATTR, self.holder.runtime)
         if self.channel is not None:
             gm.add_submodule(PIPE_ATTR, self.channel)
+        if self.masks is not None:
+            gm.add_submodule(MASKS_ATTR, self.masks)
 
     def _setup_tensor_parallel(self, group: dist.ProcessGroup | None) -> TensorParallel:
         # Replicated activations must see the same dropout masks on every tp rank: share tp rank 0's
@@ -165,6 +170,13 @@ class RankRuntime:
             torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state()))
         seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
         return TensorParallel(group, self.comm, int(seed))
+
+    def _make_masks(self) -> SingleDeviceMasks:
+        # Every rank follows rank 0's generator state at compile: what one device would draw from.
+        state = self.compiled.rng_state.to(self.device)
+        if dist.is_initialized():
+            dist.broadcast(state, src=0, group=self.world_group)
+        return SingleDeviceMasks(self.compiled.masks, state.cpu(), self.coords, self.mesh)
 
     def _broadcast_from_first_dp_rank(self, tensors: list[torch.Tensor]) -> None:
         src = self.mesh.group("dp", self.rank)[0]
@@ -242,6 +254,7 @@ class RankRuntime:
             max_slots=max(len(s.send) for s in self.compiled.stages),
             comm=self.comm,
             device=self.device,
+            before_action=lambda action: self.at_microbatch(action.microbatch),
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -252,6 +265,7 @@ class RankRuntime:
             )
         start = time.perf_counter()
         holder, plan = self.holder, self.plan
+        self.begin_masks(flat)
         if self.runner is None:  # one graph; with microbatches, gradient accumulation
             k = plan.microbatches
             holder.begin(armed=k == 1)
@@ -260,6 +274,7 @@ class RankRuntime:
             for i, part in enumerate(parts):
                 if i == k - 1 and k > 1:
                     holder.arm(0)  # the last microbatch's gradients complete the sum: reduce them once
+                self.at_microbatch(i)
                 mb_loss = self.graphs[0](*part)[0]
                 (mb_loss / k if k > 1 else mb_loss).backward()
                 loss += mb_loss.detach().double() / k
@@ -267,6 +282,8 @@ class RankRuntime:
             holder.begin(armed=False)
             total = self.runner.run(flat, holder.arm)
             loss = None if total is None else total / plan.microbatches
+        if self.masks is not None:
+            self.masks.end()
         holder.end()
         self._sum_over_model()
         counted = holder.grad_views(self._counts_in_norm)
@@ -290,6 +307,16 @@ class RankRuntime:
         self.step_seconds = time.perf_counter() - start
         self.steps += 1
         return self._loss.item() / plan.dp
+
+    def begin_masks(self, flat: list[torch.Tensor]) -> None:
+        """A pass over the global batch starts: single-device dropout masks are drawn anew."""
+        if self.masks is not None:
+            local = split_microbatches(flat, self.input_shapes, 1)[1]
+            self.masks.begin(local, self.plan.microbatches)
+
+    def at_microbatch(self, index: int) -> None:
+        if self.masks is not None:
+            self.masks.microbatch = index
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
         return self.placement_of[id(param)].counts_in_norm(self.coords, self.holder.dp_sharded)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.errors import DistributedError, InputError
+from autoshard.ops import WRAPPERS
 from autoshard.placements import Shard
 from autoshard.runtime.comm import CommCounter
 
@@ -223,6 +224,9 @@ def sharded_random(tp: TensorParallel, op: Any, *args: Any, **kwargs: Any) -> An
     tensor = next(a for a in args if isinstance(a, torch.Tensor))
     with tp.rank_stream(tensor.device):
         return op(*args, **kwargs)
+
+
+WRAPPERS[sharded_random] = lambda args: (args[1], args[2:])
 
 
 def vocab_parallel_embedding(
