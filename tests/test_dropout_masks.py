@@ -61,6 +61,7 @@ def test_dropout_matches_single_device_sample(ranks, case: tuple[str, dict[str, 
     ("mesh", "plan", "shape"),
     [
         ({"dp": 2}, {"microbatches": 4}, {}),  # gradient accumulation: each slice its rows of the step's mask
+        ({"dp": 2, "pp": 2}, {"microbatches": 2}, {}),  # stage 0 draws past stage 1's masks to stay in step
         pytest.param(
             {"pp": 2, "dp": 2}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 2},
             {"layers": 4}, marks=pytest.mark.slow,

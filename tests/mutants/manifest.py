@@ -361,4 +361,21 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_schedules.py"],
         "k": "bubble",
     },
+    {
+        "name": "47_dropout_masks_rows_of_the_first_dp_rank",
+        "file": "autoshard/runtime/masks.py",
+        "why": "single-device dropout masks: every dp rank keeps the first dp rank's rows of the global mask",
+        "tests": ["tests/test_dropout_masks.py"],
+        "k": "microbatches_slice",
+    },
+    {
+        "name": "48_dropout_masks_later_stages_not_drawn",
+        "file": "autoshard/runtime/masks.py",
+        "why": (
+            "single-device dropout masks: a step ends without drawing the later pipeline stages' masks, so "
+            "earlier stages' ranks fall out of the shared random sequence"
+        ),
+        "tests": ["tests/test_dropout_masks.py"],
+        "k": "microbatches_slice",
+    },
 ]
