@@ -21,6 +21,7 @@ from autoshard.placements import Partial, Replicate, Shard
 from autoshard.plan import Plan
 from autoshard.planner import DeviceSpec, PlanReport
 from autoshard.program import Program, RankProgram
+from autoshard.verification import VerifyReport, verify
 
 __all__ = [
     "AutoshardError",
@@ -41,8 +42,10 @@ __all__ = [
     "RankProgram",
     "Replicate",
     "Shard",
+    "VerifyReport",
     "compile",
     "latest_checkpoint",
+    "verify",
 ]
 
 __version__ = "0.1.0"
