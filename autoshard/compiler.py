@@ -59,6 +59,7 @@ class Compiled:
     master_values: dict[int, torch.Tensor] | None  # fp32 starting values under mixed precision
     analysis_log: list[str]
     timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
+    log_every: int = 0  # steps between progress lines through logging (0: none)
 
 
 def resolve_mesh(mesh: Any) -> int | Mesh:
@@ -216,6 +217,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     example_target: Any = None,
     hardware: Hardware | None = None,
     timeout: float = 300.0,
+    log_every: int | None = None,
 ) -> Any:
     """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
@@ -226,11 +228,15 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     ``Hardware.measure()`` or ``Hardware.from_json(...)``; default the A100 80GB preset).
     ``timeout``: seconds a rank waits in any collective or send/recv before its step fails with the
     step and the operation named (a rank that died or stalls never hangs the others).
+    ``log_every``: every that many steps rank 0 logs a progress line (``program.metrics``) to the
+    ``autoshard`` logger.
     """
     from autoshard.program import Program
 
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InputError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=300")
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise InputError(f"log_every={log_every!r} must be a positive number of steps, e.g. log_every=10")
     resolved = resolve_mesh(mesh)
     overrides = resolve_plan(plan)
     if optimizer is not None and not callable(optimizer):
@@ -328,7 +334,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     compiled = Compiled(
         captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
-        master_values=master_values, timeout=float(timeout),
+        master_values=master_values, timeout=float(timeout), log_every=log_every or 0,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)
