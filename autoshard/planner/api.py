@@ -62,7 +62,7 @@ def plan(
         model, example_inputs, example_kwargs, example_target = cast_to(
             overrides["param_dtype"], model, example_inputs, example_kwargs, example_target
         )
-    report, _ = analyse_for_planning(
+    report, *_ = analyse_for_planning(
         model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target,
         hardware or Hardware.preset(DEFAULT_HARDWARE), global_batch_size,
     )  # fmt: skip
