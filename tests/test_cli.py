@@ -43,6 +43,7 @@ def test_verify_runs_local_ranks(capsys) -> None:
     assert code == 0 and report["ok"] and report["first_divergence"] is None and report["checked"] > 100
 
 
+@pytest.mark.slow  # the demo itself runs in tests/test_examples.py
 def test_demo_subcommand(capsys) -> None:
     code, out, _ = _run(capsys, "demo", "--ranks", "2", "--steps", "2")
     assert code == 0 and "OK: distributed training matches single-device training" in out

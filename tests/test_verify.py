@@ -61,7 +61,7 @@ def test_verify_names_the_node_of_a_broken_rewrite(ranks, fault: str) -> None:
     if fault != "missing send":
         assert first.stage == 0 and first.max_error > 1e-3
         before = report.checks[: report.checks.index(first)]
-        assert len(before) > 20 and all(c.ok for c in before)  # everything upstream matched
+        assert len(before) > 5 and all(c.ok for c in before)  # everything upstream matched
     assert expected in str(report)
 
 
