@@ -16,19 +16,23 @@ from autoshard.errors import (
     MissingMetaError,
     PlanError,
 )
+from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
 from autoshard.placements import Partial, Replicate, Shard
 from autoshard.plan import Plan
-from autoshard.planner import DeviceSpec, PlanReport
+from autoshard.planner import Candidate, Memory, PlanReport, StepTime, plan
 from autoshard.program import Program, RankProgram
+from autoshard.verification import VerifyReport, verify
 
 __all__ = [
     "AutoshardError",
+    "Candidate",
     "CaptureError",
-    "DeviceSpec",
     "DistributedError",
+    "Hardware",
     "InputError",
     "LayerCost",
+    "Memory",
     "Mesh",
     "MeshError",
     "MissingMetaError",
@@ -41,8 +45,12 @@ __all__ = [
     "RankProgram",
     "Replicate",
     "Shard",
+    "StepTime",
+    "VerifyReport",
     "compile",
     "latest_checkpoint",
+    "plan",
+    "verify",
 ]
 
 __version__ = "0.1.0"

@@ -21,16 +21,20 @@ from autoshard import passes
 from autoshard.capture import Captured, capture
 from autoshard.cost import ModelCost, summarize
 from autoshard.errors import InputError, MeshError, PlanError
+from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
 from autoshard.meta import get_stage
 from autoshard.placements import OnStages, ParamPlacement, Replicate, Shard
 from autoshard.plan import Plan, is_mixed_precision
-from autoshard.planner import DeviceSpec, PlanReport, choose_plan
+from autoshard.planner.api import DEFAULT_HARDWARE, planning_sizes
+from autoshard.planner.costing import Costing
+from autoshard.planner.report import PlanReport
+from autoshard.planner.search import choose_plan
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.runtime.pipeline import StageGraph
 from autoshard.schedules import Schedule, ScheduleError, build_schedule
 
-__all__ = ["Compiled", "compile"]
+__all__ = ["Compiled", "analyse_for_planning", "cast_to", "compile", "resolve_mesh", "resolve_plan"]
 
 log = logging.getLogger("autoshard")
 run_pass = passes.run_pass
@@ -59,9 +63,10 @@ class Compiled:
     masks: tuple[Any, ...] = ()
     rng_state: torch.Tensor | None = None
     timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
+    log_every: int = 0  # steps between progress lines through logging (0: none)
 
 
-def _resolve_mesh(mesh: Any) -> int | Mesh:
+def resolve_mesh(mesh: Any) -> int | Mesh:
     if isinstance(mesh, Mesh):
         return mesh
     if isinstance(mesh, int) and not isinstance(mesh, bool):
@@ -75,7 +80,7 @@ def _resolve_mesh(mesh: Any) -> int | Mesh:
     )
 
 
-def _resolve_plan(plan: Any) -> dict[str, Any]:
+def resolve_plan(plan: Any) -> dict[str, Any]:
     if isinstance(plan, str) and plan == "auto":
         return {}
     if isinstance(plan, Plan):
@@ -172,6 +177,38 @@ def _placements(compiled_gm: fx.GraphModule, model: nn.Module, plan: Plan, stage
     return out
 
 
+def cast_to(dtype: torch.dtype, model: nn.Module, *examples: Any) -> tuple[Any, ...]:
+    """The model converted to ``dtype`` in place, and the floating-point example tensors cast alike."""
+    model.to(dtype)
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return (model, *pytree.tree_map(cast, examples))
+
+
+def analyse_for_planning(
+    model: nn.Module, resolved: int | Mesh, overrides: dict[str, Any], example_inputs: Any,
+    example_kwargs: dict[str, Any] | None, loss_fn: Any, example_target: Any, hardware: Hardware,
+    global_batch_size: int | None = None,
+) -> tuple[PlanReport, Captured, list[Any], ModelCost]:  # fmt: skip
+    """Capture, analyse and rank the plans (what compile and autoshard.plan share)."""
+    if not isinstance(hardware, Hardware):
+        raise InputError(
+            f"hardware must be an autoshard.Hardware (Hardware.preset('h100-80gb'), Hardware.measure()), "
+            f"got {type(hardware).__name__}"
+        )
+    captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
+    gm, sizes = captured.gm, captured.example_sizes
+    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(gm.graph.nodes))
+    results = passes.analyze(gm, captured.rename)
+    cost = summarize(gm)
+    _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
+    at = planning_sizes(sizes, global_batch_size)
+    report = choose_plan(resolved, overrides, Costing(cost, at, hardware), at, hardware)
+    return report, captured, results, cost
+
+
 def compile(  # noqa: A001 - the public name of the compiler entry point
     model: nn.Module,
     mesh: Mesh | int | Any,
@@ -182,23 +219,30 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     plan: str | Plan | dict[str, Any] = "auto",
     *,
     example_target: Any = None,
-    device: DeviceSpec | None = None,
+    hardware: Hardware | None = None,
     timeout: float = 300.0,
+    log_every: int | None = None,
 ) -> Any:
     """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
     example_inputs (and example_kwargs, example_target) are one global batch. ``optimizer`` is a
     callable from parameters to a torch optimizer (parameter groups welcome). Works offline (no
     process group) for inspection; under a process group the mesh must match the world size.
+    ``hardware``: what the planner assumes about the devices and links (``autoshard.Hardware``: a preset,
+    ``Hardware.measure()`` or ``Hardware.from_json(...)``; default the A100 80GB preset).
     ``timeout``: seconds a rank waits in any collective or send/recv before its step fails with the
     step and the operation named (a rank that died or stalls never hangs the others).
+    ``log_every``: every that many steps rank 0 logs a progress line (``program.metrics``) to the
+    ``autoshard`` logger.
     """
     from autoshard.program import Program
 
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InputError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=300")
-    resolved = _resolve_mesh(mesh)
-    overrides = _resolve_plan(plan)
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise InputError(f"log_every={log_every!r} must be a positive number of steps, e.g. log_every=10")
+    resolved = resolve_mesh(mesh)
+    overrides = resolve_plan(plan)
     if optimizer is not None and not callable(optimizer):
         raise InputError(
             f"optimizer must be a callable(params) -> torch.optim.Optimizer, got {type(optimizer).__name__}; "
@@ -221,21 +265,14 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     if is_mixed_precision(param_dtype):
         # Mixed precision: keep the fp32 values for the optimizer's masters, compute in param_dtype.
         master_values = {id(p): p.detach().to(torch.float32, copy=True) for p in model.parameters()}
-        model.to(param_dtype)
-
-        def cast(t: Any) -> Any:
-            return t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-        example_inputs, example_kwargs, example_target = pytree.tree_map(
-            cast, (example_inputs, example_kwargs, example_target)
+        model, example_inputs, example_kwargs, example_target = cast_to(
+            param_dtype, model, example_inputs, example_kwargs, example_target
         )
-    captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
+    hardware = hardware or Hardware.preset(DEFAULT_HARDWARE)
+    report, captured, results, cost = analyse_for_planning(
+        model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target, hardware
+    )
     gm, sizes = captured.gm, captured.example_sizes
-    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(gm.graph.nodes))
-    results = passes.analyze(gm, captured.rename)
-    cost = summarize(gm)
-    _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
-    report = choose_plan(resolved, overrides, cost, sizes, device or DeviceSpec())
     chosen = report.winner
     _check_batch(sizes["B"], chosen.dp)
     template = make_optimizer(optimizer, model.parameters()) if optimizer is not None else None
@@ -298,7 +335,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         if chosen.zero == 3:
             results.append(run_pass(passes.zero3_gather_free.PASS, graph))
         results.append(run_pass(passes.recompute.PASS, graph, chosen.recompute))
-        results.append(run_pass(passes.saved_tensors.PASS, graph, (device or DeviceSpec()).kernels))
+        results.append(run_pass(passes.saved_tensors.PASS, graph, hardware.kernels))
         saved.append((f"stage {index}" if stages else "graph", results[-1].value))
     cost = dataclasses.replace(cost, saved_for_backward=tuple(saved))
     placements = _placements(gm, model, chosen, stages_of, schedule, tp_report)
@@ -307,6 +344,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
         master_values=master_values, timeout=float(timeout), masks=masks, rng_state=rng_state,
+        log_every=log_every or 0,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)

@@ -32,11 +32,15 @@ def explain(program: Any) -> str:
         f"autoshard program for {program.compiled.captured.model_name} on {program.mesh}",
         f"plan: {program.plan}",
         f"why:  {report.reason}",
-        f"predicted per rank at the example global batch ({size_str}) on a {report.device.name}: "
-        f"{chosen.memory_bytes / 2**30:.3f} GiB, {chosen.step_seconds * 1e3:.3f} ms per step",
+        f"predicted per rank at the global batch ({size_str}) on {report.hardware.name}: "
+        f"{chosen.memory.total / 2**30:.3f} GiB, {chosen.step_time * 1e3:.4g} ms per step, "
+        f"{chosen.tflops_per_device:.3g} TFLOP/s per device, MFU {chosen.mfu:.1%}; bottleneck {chosen.why}",
         "",
-        "candidates:",
+        "candidates (best first):",
         report.table(),
+        "",
+        "the top candidates, part by part:",
+        report.breakdown(),
         "",
         f"whole model: forward {cost.flops_fwd} FLOPs = {fmt_count(int(ev.flops_fwd))}, "
         f"backward {cost.flops_bwd} = {fmt_count(int(ev.flops_bwd))}",

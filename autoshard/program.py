@@ -18,6 +18,7 @@ from torch import fx
 
 from autoshard import checkpoint
 from autoshard.errors import DistributedError, InputError
+from autoshard.metrics import Monitor, StepMetrics
 from autoshard.rank_program import RankProgram
 from autoshard.runtime import state
 from autoshard.runtime.comm import CommCounter, is_comm_failure
@@ -47,10 +48,12 @@ class Program:
         self.rank = dist.get_rank() if self._distributed else 0
         self.runtime: RankRuntime | None = None
         self._forward: ForwardRunner | None = None
+        self.monitor: Monitor | None = None
         if self.is_meta or (not self._distributed and self.mesh.size > 1):
             return  # planning and inspection only
         self.runtime = RankRuntime(compiled, optimizer_factory, self.comm)
         self._forward = ForwardRunner(self.runtime)
+        self.monitor = Monitor(self)  # program.metrics, the progress line, program.profile
 
     # ---- inspection -------------------------------------------------------------------------
     @property
@@ -162,7 +165,7 @@ class Program:
         flat = call.flatten_inputs(inputs, kwargs) + call.flatten_target(target)
         call.check_against(flat, runtime.input_shapes)
         try:
-            return runtime.step(flat)
+            loss = runtime.step(flat)
         except RuntimeError as error:  # a peer died or stalled: say where, in one line
             if not is_comm_failure(error):
                 raise
@@ -171,6 +174,25 @@ class Program:
                 f"rank {self.rank}: step {runtime.steps + 1} failed in {self.comm.last_op or 'a collective'} "
                 f"(timeout {self.compiled.timeout:g}s; another rank died or stalled): {first}"
             ) from error
+        self.monitor.after_step(loss, flat)
+        return loss
+
+    @property
+    def metrics(self) -> StepMetrics | None:
+        """The last step measured on this rank: tokens/s, TFLOP/s per rank, MFU, time split, peak memory."""
+        return None if self.monitor is None else self.monitor.last
+
+    def profile(self, path: str | os.PathLike, steps: int = 2) -> Path:
+        """Record the next ``steps`` steps into a Chrome trace on every rank (``path`` with ``.rank<r>``)."""
+        self._runtime("profile()")
+        return self.monitor.profile(path, steps)
+
+    def report(self, path: str | os.PathLike) -> Path | None:
+        """One self-contained HTML page: plan, memory, timeline, layers, graphs. Under a process group call
+        it on every rank (rank 0 writes it, with every rank's measurements)."""
+        from autoshard.report import write_report
+
+        return write_report(self, path)
 
     def train(self, mode: bool = True) -> Program:
         """Forward calls compute as in training (dropout on); ``step()`` always trains."""

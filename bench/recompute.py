@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import autoshard
-from autoshard.planner import DeviceSpec
+from autoshard.hardware import Hardware
 
 CHOICES = ("none", "selective", "full")
 
@@ -55,7 +55,7 @@ def _build(choice: str, batch: int, seq: int, layers: int, width: int, heads: in
     kwargs = {"labels": ids, "use_cache": False}
     program = autoshard.compile(
         model, 1, example_inputs=(ids,), example_kwargs=kwargs, plan={"recompute": choice},
-        device=DeviceSpec(kernels="cpu"),
+        hardware=Hardware.preset("cpu"),
     )  # fmt: skip
     gm = program.for_rank(0).graph_modules[0]
     return {"gm": gm, "ids": ids, "predicted": program.cost.saved_for_backward[0][1].evaluate(B=batch, S=seq)}
@@ -94,7 +94,7 @@ def _korthikanti(report: Callable[..., None]) -> None:
     for name, (mesh, plan, published) in cases.items():
         program = autoshard.compile(
             model, autoshard.Mesh(**mesh) if mesh else 1, example_inputs=(ids,), example_kwargs=kwargs, plan=plan,
-            device=DeviceSpec(kernels="cuda"),
+            hardware=Hardware.preset("a100-80gb"),
         )  # fmt: skip
         ours = program.cost.saved_for_backward[0][1].evaluate(B=b, S=s)["transformer.h.1"]
         report(

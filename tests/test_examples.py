@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,14 +30,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def torchrun_two_ranks(
-    script: str, *args: str, restarts: int = 0, fresh_store: bool = True, check: bool = True
+    script: str, *args: str, restarts: int = 0, fresh_store: bool = True, check: bool = True, nproc: int = 2
 ) -> subprocess.CompletedProcess:
     """torchrun on 2 ranks; on a timeout it and every worker it started are killed. With restarts, the
     agent gets a fresh store per attempt (launch.SHARED_STORE_FIX) unless ``fresh_store=False``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if restarts and fresh_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += ["--max-restarts", str(restarts), "--monitor-interval", "1"] if restarts else []
     cmd += [str(ROOT / "examples" / script), *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -125,3 +126,46 @@ def test_a_restart_on_torchruns_shared_store_stops_with_the_fix_named(tmp_path: 
     out = torchrun_two_ranks("train_dp.py", *args, restarts=1, fresh_store=False, check=False)
     assert out.returncode != 0
     assert "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out.stderr
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(m) for m in re.findall(r"^step \d+: loss (\S+)$", stdout, re.M)]
+
+
+def test_plan_70b_example_plans_1024_ranks_offline(tmp_path: Path) -> None:
+    page = tmp_path / "l70.html"
+    cmd = [sys.executable, str(ROOT / "examples" / "plan_70b.py"), "--layers", "2", "--report", str(page)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "on 1024 x h100-80gb" in out and "planned in" in out and f"report: {page}" in out
+    plan = out.split("planned in ")[1].split(": ", 1)[1].splitlines()[0]
+    assert autoshard_mesh_size(plan) == 1024
+    text = page.read_text()
+    assert "LlamaForCausalLM on" in text and plan in text.replace("&amp;", "&")
+
+
+def autoshard_mesh_size(plan: str) -> int:
+    degrees = dict(part.split("=") for part in plan.removeprefix("Plan(").split(", ")[:3])
+    return int(degrees["dp"]) * int(degrees["tp"]) * int(degrees["pp"])
+
+
+@pytest.mark.slow
+def test_torchrun_3d_example_trains_and_reports(tmp_path: Path) -> None:
+    report, trace = tmp_path / "3d.html", tmp_path / "trace.json"
+    args = ("--steps", "10", "--tp", "2", "--pp", "2", "--report", str(report), "--trace", str(trace))
+    out = torchrun_two_ranks("train_3d.py", *args, nproc=8)
+    assert "plan: Plan(dp=2, tp=2, pp=2, zero=0, schedule=1f1b, microbatches=4" in out.stdout
+    losses = _losses(out.stdout)
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5  # the successor task is learnt
+    assert "MFU" in out.stderr and "tokens/s" in out.stderr  # the progress line, every 5 steps
+    assert "rank 7 measured" in report.read_text()
+    assert len(list(tmp_path.glob("trace.rank*.json"))) == 8
+
+
+@pytest.mark.slow
+def test_torchrun_llama_finetune_with_zero3_and_recompute() -> None:
+    out = torchrun_two_ranks("finetune_llama.py", "--steps", "12", "--batch", "8", "--seq", "16")
+    assert "plan: Plan(dp=2, tp=1, pp=1, zero=3, bucket=25MiB, recompute=full)" in out.stdout
+    losses = _losses(out.stdout)
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
+    difference = float(out.stdout.split("largest loss difference ")[1].split()[0])
+    assert difference < 1e-4  # next to single-device training

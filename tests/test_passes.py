@@ -87,7 +87,7 @@ def test_explain_shows_expressions_and_numbers(gpt2_small) -> None:
     assert re.search(r"transformer\.h\.0\s+\d+\*B\*S\*\*2 \+ \d+\*B\*S\s+\d+\.\d+G", text)
     assert "whole model: forward 36864*B*S**2 + 247064064*B*S FLOPs" in text
     assert "zero=2" in text and "pp=4" in text  # other candidates
-    assert "fits 80.000 GiB per rank with plain data parallelism, so data parallel" in text  # and why this one
+    assert "fits 80.00 GiB per rank with plain data parallelism" in text  # and why this one
 
 
 def test_shapes_are_symbolic_in_batch_and_sequence() -> None:

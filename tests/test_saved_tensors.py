@@ -11,7 +11,7 @@ import torch
 from cases import build_case
 
 import autoshard
-from autoshard.planner import DeviceSpec
+from autoshard.hardware import Hardware
 
 
 def _compile(family: str, mesh: dict[str, int] | None = None, **plan: Any) -> tuple[autoshard.Program, Any]:
@@ -19,7 +19,7 @@ def _compile(family: str, mesh: dict[str, int] | None = None, **plan: Any) -> tu
     batch = case.batches[0]
     program = autoshard.compile(
         case.model, autoshard.Mesh(**(mesh or {"dp": 1})), example_inputs=batch.inputs,
-        example_kwargs=batch.kwargs, plan=plan, device=DeviceSpec(kernels="cpu"),
+        example_kwargs=batch.kwargs, plan=plan, hardware=Hardware.preset("cpu"),
     )  # fmt: skip
     return program, batch
 

@@ -14,12 +14,17 @@ same bytes on the wire, no temporaries, but synchronous. Other backends always u
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from autoshard.runtime.tracing import span
 
 __all__ = ["CommCounter", "same_view"]
 
@@ -37,12 +42,39 @@ class _Done:
         return True
 
 
+class _TimedWork:
+    """An asynchronous collective's handle whose wait counts as time blocked in communication."""
+
+    def __init__(self, work: Any, counter: CommCounter, op: str) -> None:
+        self.work, self.counter, self.op = work, counter, op
+
+    def wait(self) -> Any:
+        with self.counter.timing(self.op, "wait"):
+            return self.work.wait()
+
+
 @dataclass
 class CommCounter:
     group: dist.ProcessGroup | None = None
     calls: Counter = field(default_factory=Counter)
     volume_bytes: Counter = field(default_factory=Counter)
     last_op: str = ""  # the latest operation started: what a failed step was waiting in
+    seconds: Counter = field(default_factory=Counter)  # time blocked in each op: a synchronous call or a wait
+
+    @contextlib.contextmanager
+    def timing(self, op: str, what: str = "") -> Iterator[None]:
+        """Count the time inside as blocked in ``op`` (and mark it in a profile)."""
+        start = time.perf_counter()
+        try:
+            with span(f"{op}.{what}" if what else op):
+                yield
+        finally:
+            self.seconds[op] += time.perf_counter() - start
+
+    def _run(self, op: str, async_op: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.timing(op, "launch" if async_op else ""):
+            work = fn(*args, async_op=async_op, **kwargs)
+        return _TimedWork(work, self, op) if async_op and work is not None else work
 
     def count(self, op: str, nbytes: int) -> None:
         """Record ``nbytes`` moved by ``op`` (the pipeline's point-to-point sends count as "send")."""
@@ -53,11 +85,12 @@ class CommCounter:
     def reset(self) -> None:
         self.calls.clear()
         self.volume_bytes.clear()
+        self.seconds.clear()
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, group: Any = _OWN) -> dist.Work | None:
         """Sum over this counter's group, or over ``group`` (None: the default group)."""
         self.count("all_reduce", 2 * tensor.numel() * tensor.element_size())
-        return dist.all_reduce(tensor, group=self.group if group is _OWN else group, async_op=async_op)
+        return self._run("all_reduce", async_op, dist.all_reduce, tensor, group=self.group if group is _OWN else group)
 
     def _chunked(self, in_place: bool) -> bool:
         return in_place and self.reduces_in_place()
@@ -81,12 +114,13 @@ class CommCounter:
         """
         self.count("reduce_scatter", inp.numel() * inp.element_size())
         if not self._chunked(in_place):
-            return _reduce_scatter(out, inp, group=self.group, async_op=async_op)
+            return self._run("reduce_scatter", async_op, _reduce_scatter, out, inp, group=self.group)
         me = dist.get_rank()
-        for rank, chunk in self._chunks(inp):
-            dist.reduce(chunk, dst=rank, group=self.group)
-            if rank == me and not same_view(out, chunk):
-                out.copy_(chunk)
+        with self.timing("reduce_scatter"):
+            for rank, chunk in self._chunks(inp):
+                dist.reduce(chunk, dst=rank, group=self.group)
+                if rank == me and not same_view(out, chunk):
+                    out.copy_(chunk)
         return _Done()
 
     def all_gather(
@@ -98,14 +132,14 @@ class CommCounter:
         """
         self.count("all_gather", out.numel() * out.element_size())
         if not self._chunked(in_place):
-            return _all_gather(
-                out, inp if not _overlaps(out, inp) else inp.clone(), group=self.group, async_op=async_op
-            )
+            source = inp if not _overlaps(out, inp) else inp.clone()
+            return self._run("all_gather", async_op, _all_gather, out, source, group=self.group)
         me = dist.get_rank()
-        for rank, chunk in self._chunks(out):
-            if rank == me and not same_view(chunk, inp):
-                chunk.copy_(inp)
-            dist.broadcast(chunk, src=rank, group=self.group)
+        with self.timing("all_gather"):
+            for rank, chunk in self._chunks(out):
+                if rank == me and not same_view(chunk, inp):
+                    chunk.copy_(inp)
+                dist.broadcast(chunk, src=rank, group=self.group)
         return _Done()
 
 

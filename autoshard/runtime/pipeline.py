@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from autoshard.errors import DistributedError, InputError
 from autoshard.meta import TensorShape, evaluate_expr
+from autoshard.runtime.tracing import span
 from autoshard.schedules import Action, Schedule
 
 __all__ = [
@@ -156,6 +157,7 @@ class PipelineStats:
     busy_seconds: float = 0.0
     peak_in_flight: int = 0
     microbatch_sizes: dict[str, int] = field(default_factory=dict)  # symbol values of one microbatch
+    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start s, end s) of the step
 
     @property
     def idle_fraction(self) -> float:
@@ -302,39 +304,42 @@ class PipelineRunner:
             began = time.perf_counter()
             self.before_action(action)
             io = self.stages[action.stage]
-            if action.kind == "F":
-                for tensor, shape in zip(received, io.recv):
-                    tensor.requires_grad_(shape.requires_grad)
-                loss, outputs = self._run_stage(io, received, per_mb[action.microbatch])
-                if action.stage < self.n_stages - 1:
-                    self._send(outputs, action.stage + 1, action.stage, False, action.microbatch)
+            with span(f"stage{action.stage}.{action.kind}.mb{action.microbatch}"):
+                if action.kind == "F":
+                    for tensor, shape in zip(received, io.recv):
+                        tensor.requires_grad_(shape.requires_grad)
+                    loss, outputs = self._run_stage(io, received, per_mb[action.microbatch])
+                    if action.stage < self.n_stages - 1:
+                        self._send(outputs, action.stage + 1, action.stage, False, action.microbatch)
+                    else:
+                        detached = loss.detach()
+                        loss_sum = detached.clone() if loss_sum is None else loss_sum + detached
+                    held[(action.stage, action.microbatch)] = _Held(received, outputs, loss)
+                    stats.peak_in_flight = max(stats.peak_in_flight, len(held))
                 else:
-                    detached = loss.detach()
-                    loss_sum = detached.clone() if loss_sum is None else loss_sum + detached
-                held[(action.stage, action.microbatch)] = _Held(received, outputs, loss)
-                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
-            else:
-                if i in self.final_backward:
-                    before_final_backward(action.stage)
-                h = held.pop((action.stage, action.microbatch))
-                if action.stage == self.n_stages - 1:
-                    h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
-                else:
-                    pairs = [
-                        (out, grad)
-                        for out, grad in zip((o for o, s in zip(h.outputs, io.send) if s.requires_grad), received)
-                        if out.requires_grad
-                    ]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if action.stage > 0:
-                    grads = [
-                        t.grad if t.grad is not None else torch.zeros_like(t)
-                        for t, s in zip(h.inputs, io.recv)
-                        if s.requires_grad
-                    ]
-                    self._send(grads, action.stage - 1, action.stage - 1, True, action.microbatch)
-            stats.busy_seconds += time.perf_counter() - began
+                    if i in self.final_backward:
+                        before_final_backward(action.stage)
+                    h = held.pop((action.stage, action.microbatch))
+                    if action.stage == self.n_stages - 1:
+                        h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
+                    else:
+                        pairs = [
+                            (out, grad)
+                            for out, grad in zip((o for o, s in zip(h.outputs, io.send) if s.requires_grad), received)
+                            if out.requires_grad
+                        ]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    if action.stage > 0:
+                        grads = [
+                            t.grad if t.grad is not None else torch.zeros_like(t)
+                            for t, s in zip(h.inputs, io.recv)
+                            if s.requires_grad
+                        ]
+                        self._send(grads, action.stage - 1, action.stage - 1, True, action.microbatch)
+            ended = time.perf_counter()
+            stats.busy_seconds += ended - began
+            stats.events.append((str(action), began - start, ended - start))
         self._wait_sends()
         stats.step_seconds = time.perf_counter() - start
         self.stats = stats

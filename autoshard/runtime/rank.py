@@ -37,6 +37,7 @@ from autoshard.runtime.masks import SingleDeviceMasks
 from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_like, optimizer_state_bytes
 from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
 from autoshard.runtime.tp import TensorParallel
+from autoshard.runtime.tracing import span
 from autoshard.runtime.zero import Zero3Holder
 
 __all__ = ["RankRuntime", "make_group"]
@@ -275,8 +276,9 @@ class RankRuntime:
                 if i == k - 1 and k > 1:
                     holder.arm(0)  # the last microbatch's gradients complete the sum: reduce them once
                 self.at_microbatch(i)
-                mb_loss = self.graphs[0](*part)[0]
-                (mb_loss / k if k > 1 else mb_loss).backward()
+                with span(f"stage0.F+B.mb{i}"):
+                    mb_loss = self.graphs[0](*part)[0]
+                    (mb_loss / k if k > 1 else mb_loss).backward()
                 loss += mb_loss.detach().double() / k
         else:
             holder.begin(armed=False)
@@ -300,8 +302,9 @@ class RankRuntime:
         if holder.masters is not None:
             holder.masters.set_grads(holder.grad_shards)
         self.last_step_memory = self.memory()
-        self.optimizer.step()
-        holder.after_step()
+        with span("optimizer"):
+            self.optimizer.step()
+            holder.after_step()
         if work is not None:
             work.wait()
         self.step_seconds = time.perf_counter() - start

@@ -94,7 +94,8 @@ class TensorParallel(UnboundTensorParallel):
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) in place."""
         self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, group=self.group)
+        with self.comm.timing("tp_all_reduce"):
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def sum_each_(self, tensors: list[torch.Tensor]) -> None:
@@ -107,7 +108,8 @@ class TensorParallel(UnboundTensorParallel):
     def max_(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (max) in place."""
         self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        with self.comm.timing("tp_all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
     def gather(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
@@ -115,7 +117,8 @@ class TensorParallel(UnboundTensorParallel):
         tensor = tensor.contiguous()
         pieces = [torch.empty_like(tensor) for _ in range(self.degree)]
         self.comm.count("tp_all_gather", tensor.numel() * tensor.element_size() * self.degree)
-        dist.all_gather(pieces, tensor, group=self.group)
+        with self.comm.timing("tp_all_gather"):
+            dist.all_gather(pieces, tensor, group=self.group)
         return placement.join(pieces)
 
     def reduce_scatter_(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
@@ -124,7 +127,8 @@ class TensorParallel(UnboundTensorParallel):
         pieces = [placement.local(tensor, r, self.degree).contiguous() for r in range(self.degree)]
         out = torch.empty_like(pieces[0])
         self.comm.count("tp_reduce_scatter", tensor.numel() * tensor.element_size())
-        dist.reduce_scatter(out, pieces, group=self.group)
+        with self.comm.timing("tp_reduce_scatter"):
+            dist.reduce_scatter(out, pieces, group=self.group)
         return out
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import FlatLayout
 from autoshard.runtime.holders import Groups, Masters, ShardedGrads, _nbytes
+from autoshard.runtime.tracing import span
 
 __all__ = ["UnboundZero3Runtime", "Zero3Holder", "Zero3Runtime", "gather", "mark"]
 
@@ -32,7 +33,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
         ctx.runtime, ctx.group = runtime, group
-        runtime.ensure_gathered(group)
+        with span(f"zero3_gather.group{group}"):
+            runtime.ensure_gathered(group)
         if not runtime.replaying:
             runtime.prefetch(runtime.next_of.get(group))
         return tuple(runtime.layouts[group].views(runtime.fulls[group]))

@@ -378,4 +378,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_dropout_masks.py"],
         "k": "microbatches_slice",
     },
+    {
+        "name": "49_verify_partial_values_not_summed",
+        "file": "autoshard/node_values.py",
+        "why": "verify takes one rank's partial sum as the full value of a node partial over tp",
+        "tests": ["tests/test_verify.py"],
+        "k": "no_divergence_under_tp_and_pp",
+    },
+    {
+        "name": "50_mfu_ignores_the_world_size",
+        "file": "autoshard/metrics.py",
+        "why": "MFU divides the whole mesh's FLOPs by one device's peak (the world size left out)",
+        "tests": ["tests/test_metrics.py"],
+        "k": "metrics_and_trace",
+    },
 ]

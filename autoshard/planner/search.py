@@ -1,0 +1,226 @@
+"""The search: every plan the constraints allow, costed, ranked; the winner and why.
+
+Constraints: dp x tp x pp = the world size; tp divides the attention heads; pp (times the virtual stages)
+at most the repeated blocks, and interleaving divides them; microbatches divide each dp rank's rows
+(interleaving: a multiple of pp); ZeRO only where dp > 1, offload and lower-precision parameters only
+with ZeRO; sequence parallelism only with tp > 1. The candidates returned are the best plan of each mesh
+shape and ZeRO stage, best first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from autoshard.errors import PlanError
+from autoshard.hardware import Hardware
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan, is_mixed_precision
+from autoshard.planner.costing import Costing
+from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
+
+__all__ = ["choose_plan", "default_microbatches", "factorizations"]
+
+SIMPLER_WITHIN = 0.03  # prefer the simpler of two plans predicted this close (the model is not finer)
+
+
+def default_microbatches(local_rows: int, pp: int, schedule: Any) -> int:
+    """The most microbatches up to 4 x pp that divide a dp rank's rows (bubble (pp-1)/(m+pp-1) shrinks with m).
+
+    Interleaved 1F1B needs a multiple of pp; when none divides the rows, pp itself (compile then says why).
+    """
+    step = pp if schedule == "interleaved_1f1b" else 1
+    options = [m for m in range(step, 4 * pp + 1, step) if local_rows % m == 0]
+    return max(options) if options else step
+
+
+def factorizations(world: int) -> list[tuple[int, int, int]]:
+    out = []
+    for tp in range(1, world + 1):
+        if world % tp:
+            continue
+        for pp in range(1, world // tp + 1):
+            if (world // tp) % pp:
+                continue
+            out.append((world // (tp * pp), tp, pp))
+    return out
+
+
+def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> list[tuple[int, int, int]]:
+    if isinstance(world_or_mesh, Mesh):
+        mesh = world_or_mesh
+        for dim in ("dp", "tp", "pp"):
+            if dim in overrides and overrides[dim] != mesh.degree(dim):
+                raise PlanError(
+                    f"plan asks for {dim}={overrides[dim]} but the mesh has {dim}={mesh.degree(dim)}; "
+                    f"drop {dim} from the plan or change the mesh"
+                )
+        return [(mesh.dp, mesh.tp, mesh.pp)]
+    shapes = [
+        s for s in factorizations(world_or_mesh) if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s))
+    ]
+    if not shapes:
+        raise PlanError(
+            f"no dp x tp x pp factorization of world size {world_or_mesh} matches the plan's fixed degrees "
+            f"{ {k: overrides[k] for k in ('dp', 'tp', 'pp') if k in overrides} }"
+        )
+    return shapes
+
+
+def _options(name: str, overrides: dict[str, Any], default: Iterable[Any]) -> list[Any]:
+    return [overrides[name]] if name in overrides else list(default)
+
+
+def _simplicity(plan: Plan) -> tuple:
+    """Fewer parallel dimensions, then lower ZeRO stage, no offload, no recomputation: simpler."""
+    dims = (plan.tp > 1) + (plan.pp > 1)
+    return (dims, plan.zero, plan.offload, plan.recompute != "none", plan.microbatches, plan.sequence_parallel)
+
+
+def enumerate_plans(
+    shapes: list[tuple[int, int, int]], overrides: dict[str, Any], costing: Costing, rows: int, fixed_mesh: bool
+) -> Iterable[Plan]:
+    """Every plan the constraints allow (a fixed mesh or fixed fields are taken as given: compile checks them)."""
+    mixed = is_mixed_precision(overrides.get("param_dtype"))
+    needs_zero = overrides.get("offload") or mixed
+    for dp, tp, pp in shapes:
+        if not fixed_mesh and not costing.allows(tp=tp, pp=pp):
+            continue
+        local = rows // dp if rows % dp == 0 else 0
+        if not local and not fixed_mesh:
+            continue
+        zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
+        for zero in zeros:
+            if zero > 0 and dp == 1 and "zero" not in overrides:
+                continue
+            for offload in _options("offload", overrides, [False, True] if zero else [False]):
+                for sp in _options("sequence_parallel", overrides, [False, True] if tp > 1 else [False]):
+                    if sp and tp == 1:
+                        continue
+                    for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
+                        for fields in _pipeline_options(pp, local, overrides, costing, fixed_mesh):
+                            base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
+                            yield Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
+
+
+def _pipeline_options(
+    pp: int, local: int, overrides: dict[str, Any], costing: Costing, fixed_mesh: bool
+) -> Iterable[dict[str, Any]]:
+    fixed_m = overrides.get("microbatches")
+    if pp == 1:
+        for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
+            yield {"microbatches": m}
+        return
+    schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b"])
+    for schedule in schedules:
+        if not isinstance(schedule, str):
+            yield {"schedule": schedule}
+            continue
+        if schedule == "interleaved_1f1b":
+            vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
+        else:
+            vs = [1]
+        for v in vs:
+            if v > 1 and not fixed_mesh and costing.blocks % (pp * v):
+                continue
+            step = pp if schedule == "interleaved_1f1b" else 1
+            if fixed_m:
+                ms = [fixed_m]
+            else:
+                ms = sorted(
+                    {m for m in _geometric(local) if m % step == 0} | {default_microbatches(local, pp, schedule)}
+                )
+                ms = [m for m in ms if local % m == 0 and m >= step] or [step]
+            for m in ms:
+                yield {"schedule": schedule, "virtual_stages": v, "microbatches": m}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n else []
+
+
+def _geometric(n: int) -> list[int]:
+    """Divisors of n that are powers of two, and n itself: microbatch counts worth trying."""
+    out, d = [], 1
+    while d <= n:
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return [*out, n] if n else []
+
+
+def choose_plan(
+    world_or_mesh: int | Mesh, overrides: dict[str, Any], costing: Costing, sizes: dict[str, int], hardware: Hardware
+) -> PlanReport:
+    """Cost every plan; return the best of each mesh shape and ZeRO stage, best first, and why the winner won."""
+    Plan.check_overrides(overrides)
+    shapes = _shapes(world_or_mesh, overrides)
+    fixed_mesh = isinstance(world_or_mesh, Mesh)
+    rows = sizes.get("B", 1)
+    best: dict[tuple[int, int, int, int], Candidate] = {}
+    searched = 0
+    for plan in enumerate_plans(shapes, overrides, costing, rows, fixed_mesh):
+        searched += 1
+        candidate = costing.candidate(plan)
+        key = (plan.dp, plan.tp, plan.pp, plan.zero)
+        if key not in best or _rank(candidate) < _rank(best[key]):
+            best[key] = candidate
+    if not best:
+        raise PlanError(
+            f"no plan of world size {world_or_mesh} meets the constraints (tp dividing the {costing.heads} heads, "
+            f"pp at most the {costing.blocks} blocks, dp dividing the batch of {rows}); use another world size"
+        )
+    ranked = sorted(best.values(), key=_rank)
+    ranked = _prefer_simpler(ranked)
+    winner = ranked[0]
+    if not winner.fits and not fixed_mesh:
+        raise PlanError(_no_fit_message(world_or_mesh, winner, hardware))
+    fitting = [c for c in ranked if c.fits]
+    if not winner.fits:  # the mesh was given: plan it anyway (it may be for inspection), and say so
+        reason = (
+            f"the mesh is fixed and no plan of it fits {fmt_bytes(hardware.memory_bytes)} per rank: "
+            + _no_fit_message(world_or_mesh, winner, hardware)
+        )
+        return PlanReport(tuple(ranked), reason, dict(sizes), hardware, searched)
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    plain = winner.plan.tp == winner.plan.pp == 1 and winner.plan.zero == 0
+    reason = (
+        f"the model fits {fmt_bytes(hardware.memory_bytes)} per rank with plain data parallelism, which is "
+        if plain
+        else f"{winner.plan} fits {fmt_bytes(hardware.memory_bytes)} per rank and is "
+    )
+    reason += f"the fastest predicted of {len(fitting)} fitting candidate(s) ({searched} plans costed)"
+    if runner_up is not None:
+        reason += (
+            f"; the next best, {runner_up.plan}, is predicted {runner_up.step_time / winner.step_time:.2f}x slower"
+        )
+    return PlanReport(tuple(ranked), reason, dict(sizes), hardware, searched)
+
+
+def _rank(c: Candidate) -> tuple:
+    return (not c.fits, c.step_time if c.fits else c.memory.total)
+
+
+def _prefer_simpler(ranked: list[Candidate]) -> list[Candidate]:
+    """Among the fitting plans predicted within SIMPLER_WITHIN of the fastest, the simplest goes first."""
+    if not ranked or not ranked[0].fits:
+        return ranked
+    close = [c for c in ranked if c.fits and c.step_time <= ranked[0].step_time * (1 + SIMPLER_WITHIN)]
+    first = min(close, key=lambda c: (_simplicity(c.plan), c.step_time))
+    return [first, *(c for c in ranked if c is not first)]
+
+
+def _no_fit_message(world_or_mesh: int | Mesh, least: Candidate, hardware: Hardware) -> str:
+    parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in least.memory.items() if n)
+    over = least.memory.total / hardware.memory_bytes
+    fixes = []
+    if least.plan.recompute != "full":
+        fixes.append('recomputation (plan={"recompute": "full"})')
+    if not least.plan.offload and least.plan.dp > 1:
+        fixes.append('offload (plan={"zero": 3, "offload": True})')
+    fixes += [f"about {over:.1f}x the ranks", "a smaller batch (example_inputs or global_batch_size)"]
+    return (
+        f"no plan for {world_or_mesh} fits {fmt_bytes(hardware.memory_bytes)} per rank on {hardware.name}: the "
+        f"smallest found, {least.plan}, needs {fmt_bytes(least.memory.total)} per rank ({parts}); to make it fit "
+        f"use " + ", or ".join(fixes)
+    )

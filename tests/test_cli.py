@@ -1,0 +1,69 @@
+"""The command line end to end: every subcommand, --json, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoshard.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_lists_candidates_best_first(capsys) -> None:
+    code, out, _ = _run(capsys, "plan", "cli_factories:tiny_gpt", "--world", "8", "--hardware", "h100-80gb", "--json")
+    assert code == 0
+    candidates = json.loads(out)
+    assert len(candidates) == 8 and candidates[0]["fits"]
+    assert {"plan", "step_time_s", "memory_bytes", "mfu", "why"} <= set(candidates[0])
+    code, out, _ = _run(capsys, "plan", "cli_factories:pair", "--world", "2")
+    assert code == 0 and out.startswith("why: ") and "Plan(dp=2" in out
+
+
+def test_explain_and_report_compile_offline(capsys, tmp_path: Path) -> None:
+    args = ("--model", "llama", "--mesh", "tp=2,pp=2", "--plan", "microbatches=2", "schedule=gpipe")
+    code, out, _ = _run(capsys, "explain", *args)
+    assert code == 0 and "plan: Plan(dp=1, tp=2, pp=2, zero=0, schedule=gpipe, microbatches=2" in out
+    code, out, _ = _run(capsys, "explain", *args, "--json")
+    assert code == 0 and json.loads(out)["plan"].startswith("Plan(dp=1, tp=2, pp=2")
+    code, out, _ = _run(capsys, "report", *args, "--out", str(tmp_path / "r.html"), "--json")
+    assert code == 0 and json.loads(out)["report"] == str(tmp_path / "r.html")
+    assert "Pipeline timeline" in (tmp_path / "r.html").read_text()
+
+
+def test_verify_runs_local_ranks(capsys) -> None:
+    code, out, _ = _run(capsys, "verify", "--model", "gpt2", "--mesh", "tp=2", "--batch", "4", "--seq", "8", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["first_divergence"] is None and report["checked"] > 100
+
+
+@pytest.mark.slow  # the demo itself runs in tests/test_examples.py
+def test_demo_subcommand(capsys) -> None:
+    code, out, _ = _run(capsys, "demo", "--ranks", "2", "--steps", "2")
+    assert code == 0 and "OK: distributed training matches single-device training" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "no_such_module:f"], "cannot import 'no_such_module'"),
+        (["explain", "cli_factories:absent"], "cli_factories has no function 'absent'"),
+        (["explain", "cli_factories"], "is not MODULE:FACTORY"),
+        (["explain", "cli_factories:raises"], "cli_factories:raises raised RuntimeError: no weights here"),
+        (["explain", "cli_factories:wrong_shape"], "cli_factories:wrong_shape returned list"),
+        (["plan", "--model", "gpt2", "--mesh", "dp=two"], "--mesh 'dp=two' does not parse"),
+        (["plan", "--model", "gpt2", "--mesh", "dp=2,tp=2", "--world", "8"], "has 4 ranks but --world is 8"),
+        (["plan", "--model", "gpt2", "--world", "2", "--hardware", "tpu"], "no hardware preset 'tpu'"),
+        (["plan", "--model", "gpt2", "--world", "2", "--plan", "zero"], "--plan 'zero' is not key=value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(capsys, argv: list[str], message: str) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1, err
