@@ -33,6 +33,7 @@ from autoshard.planner.search import choose_plan
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.runtime.pipeline import StageGraph
 from autoshard.schedules import Schedule, ScheduleError, build_schedule
+from autoshard.torch_compile import TorchCompile, check_devices, check_toolchain, resolve
 
 __all__ = ["Compiled", "analyse_for_planning", "cast_to", "compile", "resolve_mesh", "resolve_plan"]
 
@@ -64,6 +65,7 @@ class Compiled:
     rng_state: torch.Tensor | None = None
     timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
     log_every: int = 0  # steps between progress lines through logging (0: none)
+    torch_compile: TorchCompile | None = None  # how each rank graph is compiled (None: run eagerly)
 
 
 def resolve_mesh(mesh: Any) -> int | Mesh:
@@ -222,6 +224,8 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     hardware: Hardware | None = None,
     timeout: float = 300.0,
     log_every: int | None = None,
+    torch_compile: bool | None = None,
+    backend: str | Callable[..., Any] | None = None,
 ) -> Any:
     """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
@@ -234,6 +238,9 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     step and the operation named (a rank that died or stalls never hangs the others).
     ``log_every``: every that many steps rank 0 logs a progress line (``program.metrics``) to the
     ``autoshard`` logger.
+    ``torch_compile=True``: each rank's graph (each pipeline stage's) is compiled by torch.compile with
+    ``backend`` (default inductor); a model already wrapped by ``torch.compile`` is unwrapped and its
+    request carried over (None: as the model). ``program.compile_seconds`` reports the time it took.
     """
     from autoshard.program import Program
 
@@ -241,6 +248,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         raise InputError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=300")
     if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
         raise InputError(f"log_every={log_every!r} must be a positive number of steps, e.g. log_every=10")
+    model, request = resolve(model, torch_compile, backend)
     resolved = resolve_mesh(mesh)
     overrides = resolve_plan(plan)
     if optimizer is not None and not callable(optimizer):
@@ -248,7 +256,9 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
             f"optimizer must be a callable(params) -> torch.optim.Optimizer, got {type(optimizer).__name__}; "
             f"e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
         )
-    if dist.is_available() and dist.is_initialized():
+    distributed = dist.is_available() and dist.is_initialized()
+    check_toolchain(request, check_devices(model, dist.get_backend() if distributed else ""))
+    if distributed:
         world = dist.get_world_size()
         if isinstance(resolved, Mesh):
             resolved.check_world_size(world)
@@ -273,6 +283,8 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target, hardware
     )
     gm, sizes = captured.gm, captured.example_sizes
+    if overrides.get("autocast") is not None:
+        _drop_dtype_asserts(gm)
     chosen = report.winner
     _check_batch(sizes["B"], chosen.dp)
     template = make_optimizer(optimizer, model.parameters()) if optimizer is not None else None
@@ -344,7 +356,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         captured=captured, model=model, plan=chosen, report=report, cost=cost, placements=placements, stages=stages,
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
         master_values=master_values, timeout=float(timeout), masks=masks, rng_state=rng_state,
-        log_every=log_every or 0,
+        log_every=log_every or 0, torch_compile=request,
         analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)
@@ -352,10 +364,21 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
 
 def _generator_state(model: nn.Module) -> torch.Tensor | None:
     """The state of the generator the model's dropout draws from (CUDA's when its parameters are there)."""
+    if not isinstance(model, nn.Module):
+        return None  # capture refuses it, by name
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "meta":
         return None
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
+    """Under autocast, export's checks that a value has the dtype it had when captured (a model's
+    ``.float()`` of fp32 logits) no longer hold: matmuls return bf16. They compute nothing; drop them."""
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _param_or_none(gm: fx.GraphModule, target: str) -> nn.Parameter | None:

@@ -66,8 +66,22 @@ def explain(program: Any) -> str:
         lines += ["", *_tensor_parallel(program)]
     if program.runtime is not None:
         lines += ["", f"this rank ({program.rank}): {program.runtime.holder.describe()}"]
+    lines += _torch_compile(program)
     lines += ["", "passes:"] + [f"  {line}" for line in program.analysis_log]
     return "\n".join(lines)
+
+
+def _torch_compile(program: Any) -> list[str]:
+    """How the rank graphs run: eagerly, or compiled (what each compiled graph communicates, the time it took)."""
+    request = program.compiled.torch_compile
+    if request is None:
+        return []
+    compiler = program.runtime.compiler if program.runtime is not None else None
+    if compiler is None or not compiler.graphs:
+        return ["", f"rank graphs: {request} (compiled on the first step)"]
+    lines = ["", f"rank graphs: {request}, compiled in {compiler.seconds:.2f} s on this rank:"]
+    lines += [f"  {graph}" for graph in compiler.graphs]
+    return lines
 
 
 def _saved_for_backward(program: Any) -> list[str]:

@@ -79,6 +79,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, i
 
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # NCCL: one GPU per rank
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -103,6 +105,16 @@ class LocalRanks:
     """``world_size`` local processes in one gloo process group, kept alive between ``run`` calls."""
 
     def __init__(self, world_size: int, backend: str = "gloo", threads: int = 1, timeout: float = 600.0) -> None:
+        if backend == "nccl":
+            import torch
+
+            if torch.cuda.device_count() < world_size:
+                from autoshard.errors import DistributedError
+
+                raise DistributedError(
+                    f"LocalRanks({world_size}, backend='nccl') needs a CUDA device per rank, but this torch sees "
+                    f"{torch.cuda.device_count()}; use backend='gloo' on the CPU, or fewer ranks"
+                )
         self.world_size = world_size
         self.backend = backend
         self.threads = threads

@@ -15,6 +15,7 @@ from autoshard.schedules import Schedule
 __all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 DROPOUT_MASKS = ("per_rank", "single_device")
 
@@ -57,6 +58,10 @@ class Plan:
                       draws each mask for the global batch as one device would and keeps its slice, so
                       training with dropout equals single-device training bit for bit (costs draws at
                       global size on every rank; runtime/masks.py)
+    autocast          run every graph under torch.autocast in this dtype (e.g. torch.bfloat16): matmuls in
+                      bf16, parameters, gradients and the optimizer in fp32 (the alternative to param_dtype)
+    reduce_dtype      the dtype gradients are reduced in over dp (None: their own): torch.float32 with bf16
+                      parameters sums in full precision; torch.bfloat16 with autocast halves the bytes moved
     """
 
     dp: int = 1
@@ -74,6 +79,8 @@ class Plan:
     sequence_parallel: bool = False
     recompute: str | tuple[str, ...] = "none"
     dropout_masks: str = "per_rank"
+    autocast: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Schedule):
@@ -129,6 +136,15 @@ class Plan:
             )
         if self.dropout_masks not in DROPOUT_MASKS:
             raise PlanError(f"plan field dropout_masks={self.dropout_masks!r} must be one of {DROPOUT_MASKS}")
+        for name in ("autocast", "reduce_dtype"):
+            if getattr(self, name) not in (None, *LOW_PRECISION, *((torch.float32,) if name == "reduce_dtype" else ())):
+                allowed = "torch.bfloat16 or float16" + (", float32" if name == "reduce_dtype" else "")
+                raise PlanError(f"plan field {name}={getattr(self, name)!r} must be {allowed}, or None")
+        if self.autocast is not None and self.mixed_precision:
+            raise PlanError(
+                f"autocast={self.autocast} computes in low precision from fp32 parameters, param_dtype="
+                f"{self.param_dtype} stores them in low precision: use one of the two"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
 
@@ -179,6 +195,9 @@ class Plan:
             parts.append("sequence_parallel")
         if self.dropout_masks != "per_rank":
             parts.append(f"dropout_masks={self.dropout_masks}")
+        for name in ("autocast", "reduce_dtype"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={str(getattr(self, name)).removeprefix('torch.')}")
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
         return "Plan(" + ", ".join(parts) + ")"

@@ -2,7 +2,8 @@
 
 A thin facade: the plan and graphs come from the compiler (autoshard.compiler.Compiled); under a
 process group the rank's components live in ``runtime`` (autoshard.runtime.rank.RankRuntime), and
-state and forward calls are in runtime/state.py and runtime/forward.py.
+state and checkpoints (program_state.py, runtime/state.py, checkpoint.py) and forward calls
+(runtime/forward.py) live in their own modules.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard import checkpoint
 from autoshard.errors import DistributedError, InputError
 from autoshard.metrics import Monitor, StepMetrics
+from autoshard.program_state import StateMethods
 from autoshard.rank_program import RankProgram
-from autoshard.runtime import state
 from autoshard.runtime.comm import CommCounter, is_comm_failure
 from autoshard.runtime.forward import ForwardRunner
 from autoshard.runtime.pipeline import PipelineStats
@@ -29,7 +29,7 @@ from autoshard.runtime.rank import RankRuntime
 __all__ = ["Program", "RankProgram"]  # RankProgram lives in autoshard/rank_program.py
 
 
-class Program:
+class Program(StateMethods):
     """This rank's compiled training program. Build one with ``autoshard.compile``."""
 
     def __init__(self, compiled: Any, optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None) -> None:
@@ -71,6 +71,16 @@ class Program:
             return [self.compiled.captured.gm]
         pp = self.mesh.coords(rank)["pp"]
         return [s.gm for s in self.compiled.stages if self.schedule.rank_of(s.stage) == pp]
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """With torch_compile: seconds this rank spent compiling its graphs so far (AOTAutograd and the backend)."""
+        return None if self.runtime is None or self.runtime.compiler is None else self.runtime.compiler.seconds
+
+    @property
+    def compiled_graphs(self) -> list[Any]:
+        """With torch_compile: each forward and backward graph as the backend got it (runtime/compiled.py)."""
+        return [] if self.runtime is None or self.runtime.compiler is None else list(self.runtime.compiler.graphs)
 
     @property
     def is_meta(self) -> bool:
@@ -210,41 +220,3 @@ class Program:
         call = self.compiled.captured.call
         outputs = self._forward(call.flatten_inputs(inputs, kwargs), self.training)
         return call.unflatten_outputs(outputs)
-
-    # ---- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors: the model's keys (with ZeRO-3: its flat shards, then the buffers)."""
-        return state.local_state(self._runtime("state_dict()"))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """On rank 0: the original model's keys and full shapes; elsewhere an empty dict. Call on every rank."""
-        if self.runtime is None:
-            return {k: v.detach().clone() for k, v in self.compiled.model.state_dict().items()}
-        return state.full_state(self.runtime)
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (the original model's keys) on every rank; each keeps its share."""
-        state.load_full_state(self._runtime("load_state_dict()"), state_dict)
-
-    # ---- checkpoints (autoshard/checkpoint.py) ------------------------------------------------
-    def save(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
-        """Each rank writes its shards, optimizer state and random state; ``extra`` (JSON data, e.g. an LR
-        scheduler's state_dict()) comes back from ``load``. Atomic; call on every rank."""
-        return checkpoint.save(self._runtime("save()"), path, extra)
-
-    def load(self, path: str | os.PathLike) -> dict | None:
-        """Restore a checkpoint saved under any plan of the same model; returns its ``extra``. Every rank."""
-        return checkpoint.load(self._runtime("load()"), path)
-
-    def resume(self, directory: str | os.PathLike) -> Path | None:
-        """Load the newest complete checkpoint under ``directory``, if any (every rank the same); its path or None."""
-        return checkpoint.resume(self._runtime("resume()"), directory)
-
-    def save_full(self, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
-        """The consolidated model state as one safetensors file (rank 0 writes; every rank calls)."""
-        return checkpoint.save_full(self._runtime("save_full()"), path, masters=masters)
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (restored by ``load``)."""
-        return self._runtime("steps").steps

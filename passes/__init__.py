@@ -15,7 +15,9 @@ from . import (
     cost_model,
     dropout_masks,
     grad_buckets,
+    graph_buckets,
     layer_assign,
+    overlap_comm,
     pipeline_split,
     pipeline_stages,
     recompute,
@@ -31,6 +33,7 @@ from .infra import Need, Pass, PassResult, check_graph, run_pass
 __all__ = [
     "ALL",
     "ANALYSES",
+    "COMPILED",
     "Need",
     "Pass",
     "PassResult",
@@ -39,7 +42,9 @@ __all__ = [
     "cost_model",
     "dropout_masks",
     "grad_buckets",
+    "graph_buckets",
     "layer_assign",
+    "overlap_comm",
     "pipeline_split",
     "pipeline_stages",
     "recompute",
@@ -66,6 +71,8 @@ ALL = (
     recompute.PASS,
     saved_tensors.PASS,
 )
+# Passes over the forward and backward graphs torch.compile compiles (no autoshard keys there).
+COMPILED = (graph_buckets.PASS, overlap_comm.PASS)
 
 
 def analyze(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> list[PassResult]:

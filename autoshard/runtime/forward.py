@@ -117,7 +117,7 @@ class ForwardRunner:
         built = self._graphs[training]
         if training:
             rt.begin_masks(flat)  # a forward in training mode draws dropout masks as one device would
-        with torch.no_grad():
+        with torch.no_grad(), rt.autocast():
             if rt.schedule is None:
                 outputs = list(built(*flat))
             else:

@@ -102,10 +102,15 @@ class Holder:
     dp_sharded = False  # whether the final gradients are this rank's dp shard
     masters: Masters | None = None
 
-    def __init__(self, groups: Groups, comm: CommCounter) -> None:
+    def __init__(self, groups: Groups, comm: CommCounter, reduce_dtype: torch.dtype | None = None) -> None:
         self.layouts, self.order, self.owner = groups.layouts, groups.order, groups.owner
         self.comm = comm
         self.dp = next(iter(self.layouts.values())).dp if self.layouts else 1
+        self.reduce_dtype = reduce_dtype  # the plan's: gradients are reduced in it (None: their own dtype)
+
+    def wire(self, grads: torch.Tensor) -> torch.Tensor:
+        """What goes on the wire for a flat gradient: itself, or a copy in the reduction dtype."""
+        return grads if self.reduce_dtype in (None, grads.dtype) else grads.to(self.reduce_dtype)
 
     def params(self) -> list[nn.Parameter]:
         return [p for g in self.order for p in self.layouts[g].params]
@@ -153,13 +158,14 @@ class ReplicatedHolder(Holder):
 
     name = "data parallel (bucketed all-reduce)"
 
-    def __init__(self, groups: Groups, comm: CommCounter) -> None:
-        super().__init__(groups, comm)
+    def __init__(self, groups: Groups, comm: CommCounter, reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(groups, comm, reduce_dtype)
         layouts, order = self.layouts, self.order
         self.buffers = {g: torch.zeros(lay.padded, dtype=lay.dtype, device=lay.device) for g, lay in layouts.items()}
         self.views = {g: layouts[g].views(self.buffers[g]) for g in order}
         self.works: dict[int, Any] = {}
         self.launcher = InOrderLauncher(order, {g: layouts[g].params for g in order}, self._launch)
+        self.in_graph: set[int] = set()  # buckets a compiled backward graph reduces itself (runtime/compiled.py)
 
     def begin(self, armed: bool) -> None:
         for g in self.order:
@@ -173,15 +179,18 @@ class ReplicatedHolder(Holder):
         self.launcher.arm(self.groups_of(stage))
 
     def _launch(self, g: int) -> None:
-        if self.dp > 1:
-            self.buffers[g].div_(self.dp)
-            self.works[g] = self.comm.all_reduce(self.buffers[g], async_op=True)
+        if self.dp > 1 and g not in self.in_graph:
+            wire = self.wire(self.buffers[g]).div_(self.dp)
+            self.works[g] = (self.comm.all_reduce(wire, async_op=True), wire)
 
     def end(self) -> None:
         self.launcher.flush()
         for g in self.order:
             if g in self.works:
-                self.works.pop(g).wait()
+                work, wire = self.works.pop(g)
+                work.wait()
+                if wire is not self.buffers[g]:
+                    self.buffers[g].copy_(wire)
             for param in self.layouts[g].params:
                 if id(param) not in self.launcher.arrived:
                     param.grad = None  # unused this step: like single-device training, no gradient
@@ -250,8 +259,8 @@ class ShardedGrads(Holder):
 
     dp_sharded = True
 
-    def __init__(self, groups: Groups, comm: CommCounter) -> None:
-        super().__init__(groups, comm)
+    def __init__(self, groups: Groups, comm: CommCounter, reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(groups, comm, reduce_dtype)
         self.grad_shards: dict[int, torch.Tensor | None] = dict.fromkeys(self.order)
 
     def grad_views(self, select: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
@@ -280,10 +289,16 @@ class ShardedHolder(ShardedGrads):
     """
 
     def __init__(
-        self, groups: Groups, comm: CommCounter, stage: int, offload: bool, initial: dict[int, torch.Tensor] | None
+        self,
+        groups: Groups,
+        comm: CommCounter,
+        stage: int,
+        offload: bool,
+        initial: dict[int, torch.Tensor] | None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         """``initial``: fp32 starting values of this rank's shard per group (mixed precision), else None."""
-        super().__init__(groups, comm)
+        super().__init__(groups, comm, reduce_dtype)
         layouts, order = self.layouts, self.order
         self.name = f"ZeRO-{stage} (reduce-scatter, sharded step, all-gather)"
         self.stage = stage
@@ -317,20 +332,21 @@ class ShardedHolder(ShardedGrads):
 
     def _launch(self, g: int) -> None:
         layout, full = self.layouts[g], self.grad_flats[g]
-        if self.stage == 1 and self.comm.reduces_in_place():
+        wire = self.wire(full)
+        if self.stage == 1 and wire is full and self.comm.reduces_in_place():
             self.grad_shards[g] = layout.own(full)  # stage 1 keeps the buffer: its own chunk gets the result
         else:
-            self.grad_shards[g] = full.new_empty(layout.shard_numel)
-        full.div_(self.dp)
+            self.grad_shards[g] = wire.new_empty(layout.shard_numel)
+        wire.div_(self.dp)
         # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
-        self.works[g] = self.comm.reduce_scatter(self.grad_shards[g], full, async_op=True, in_place=True)
+        self.works[g] = self.comm.reduce_scatter(self.grad_shards[g], wire, async_op=True, in_place=True)
 
     def end(self) -> None:
         self.launcher.flush()
         for g in self.order:
             self.works.pop(g).wait()
             layout = self.layouts[g]
-            if self.stage == 1:
+            if self.stage == 1 and self.grad_shards[g].dtype == layout.dtype:  # else the shard in reduce_dtype
                 owned = layout.own(self.grad_flats[g])
                 if not same_view(owned, self.grad_shards[g]):
                     owned.copy_(self.grad_shards[g])

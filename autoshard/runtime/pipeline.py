@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from autoshard.errors import DistributedError, InputError
 from autoshard.meta import TensorShape, evaluate_expr
+from autoshard.runtime.graph_break import stays_eager
 from autoshard.runtime.tracing import span
 from autoshard.schedules import Action, Schedule
 
@@ -45,16 +46,19 @@ __all__ = [
 
 
 # ---- the graph's boundary ops -------------------------------------------------------------------
+@stays_eager
 def recv(pipe: PipelineChannel, stage: int, slot: int) -> torch.Tensor:
     """A boundary tensor from the previous stage (received by the runtime before the stage runs)."""
     return pipe.received(stage, slot)
 
 
+@stays_eager
 def send(pipe: PipelineChannel, stage: int, slot: int, value: torch.Tensor) -> None:
     """Hand a boundary tensor to the runtime, which sends it to the next stage after the stage ran."""
     pipe.sending(stage, slot, value)
 
 
+@stays_eager
 def size(pipe: PipelineChannel, expr: str) -> int:
     """A size made on an earlier stage, evaluated in this microbatch's symbol values instead of sent."""
     return pipe.size(expr)
@@ -201,15 +205,18 @@ class PipelineRunner:
         comm: Any = None,
         device: torch.device | None = None,
         before_action: Callable[[Action], None] | None = None,
+        calls: dict[int, Callable[..., Any]] | None = None,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
         ``max_slots``: the most tensors crossing any one cut (the same on every rank: tags derive from it).
         ``comm``: a CommCounter that records the bytes sent; ``device``: where received tensors live;
         ``before_action``: called before each action runs (the runtime tells single-device dropout masks
-        the microbatch).
+        the microbatch); ``calls``: what runs each stage's graph (torch.compile's wrapper of it; default
+        the graph itself).
         """
         self.before_action = before_action or (lambda action: None)
+        self.calls = calls or {}
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.stages = stages
@@ -276,7 +283,8 @@ class PipelineRunner:
     def _run_stage(self, io: StageGraph, received: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[Any, list]:
         """Run a stage graph on received boundary tensors; returns its output and the tensors it sends."""
         self.channel.inputs, self.channel.outputs = received, {}
-        out = io.gm(*(inputs[j] for j in io.input_indices))
+        run = self.calls.get(io.stage, io.gm) if self.stages.get(io.stage) is io else io.gm  # not forward-only
+        out = run(*(inputs[j] for j in io.input_indices))
         sent = [self.channel.outputs[slot] for slot in range(len(io.send))]
         self.channel.inputs, self.channel.outputs = [], {}
         return out, sent

@@ -6,7 +6,8 @@ Set-up, the same order on every rank (collectives inside must match):
   3. pipeline: tensors no stage of this rank reads are released;
   4. every dp replica starts from the first dp rank's values (DDP's broadcast);
   5. the holder of the plan's ZeRO stage takes this rank's flat groups (runtime/holders.py, zero.py);
-  6. the runtime modules are bound into this rank's graphs; the optimizer is built.
+  6. the runtime modules are bound into this rank's graphs; the optimizer is built;
+  7. with torch_compile, each graph is wrapped by torch.compile (runtime/compiled.py).
 
 A step is the same for every plan: the driver (one graph, or the pipeline schedule) runs forward
 and backward while the holder reduces gradients over dp; then partial gradients are summed over
@@ -16,6 +17,7 @@ optimizer steps and the holder writes the update back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +33,7 @@ from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.placements import ParamPlacement, Shard
 from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.compiled import rank_compiler
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
 from autoshard.runtime.masks import SingleDeviceMasks
@@ -134,6 +137,10 @@ class RankRuntime:
         for gm in self.graphs.values():
             self.bind(gm)
         self.optimizer = self._make_optimizer(factory) if factory is not None else None
+        # 7. torch.compile: each graph compiled (on its first call), else the graphs themselves
+        self.compiler = rank_compiler(self) if compiled.torch_compile is not None else None
+        calls = {s: self.compiler.compile(gm) if self.compiler else gm for s, gm in self.graphs.items()}
+        self.calls = {s: self.autocast_call(call) for s, call in calls.items()}
         self.runner = self._make_runner() if self.schedule else None
         self.partial = {id(t) for t in self.tensors.values() if self.placement_of[id(t)].partial_over_tp}
         self.last_grad_norm: torch.Tensor | None = None
@@ -221,10 +228,10 @@ class RankRuntime:
         initial = initial if masters else None
         groups = Groups(layouts, order, owner)
         if plan.zero == 3:
-            return Zero3Holder(groups, self.comm, plan.offload, initial)
+            return Zero3Holder(groups, self.comm, plan.offload, initial, plan.reduce_dtype)
         if plan.zero in (1, 2):
-            return ShardedHolder(groups, self.comm, plan.zero, plan.offload, initial)
-        return ReplicatedHolder(groups, self.comm)
+            return ShardedHolder(groups, self.comm, plan.zero, plan.offload, initial, plan.reduce_dtype)
+        return ReplicatedHolder(groups, self.comm, plan.reduce_dtype)
 
     def _make_optimizer(self, factory: Callable[[Any], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         compiled = self.compiled
@@ -236,6 +243,20 @@ class RankRuntime:
             if index is not None:  # a group the user's optimizer leaves out is not stepped
                 groups[index].append(self.holder.masters.tensors[g])
         return optimizer_like(compiled.template, groups)
+
+    def autocast(self) -> Any:
+        """The plan's torch.autocast on this rank's device (a no-op context without one)."""
+        dtype = self.plan.autocast
+        return torch.autocast(self.device.type, dtype) if dtype is not None else contextlib.nullcontext()
+
+    def autocast_call(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        if self.plan.autocast is None:
+            return call
+        return lambda *args: self.autocast_run(call, *args)
+
+    def autocast_run(self, call: Callable[..., Any], *args: Any) -> Any:
+        with self.autocast():
+            return call(*args)
 
     @property
     def input_shapes(self) -> list[Any]:
@@ -256,6 +277,7 @@ class RankRuntime:
             comm=self.comm,
             device=self.device,
             before_action=lambda action: self.at_microbatch(action.microbatch),
+            calls=self.calls,
         )
 
     # ---- one step -------------------------------------------------------------------------------
@@ -277,7 +299,7 @@ class RankRuntime:
                     holder.arm(0)  # the last microbatch's gradients complete the sum: reduce them once
                 self.at_microbatch(i)
                 with span(f"stage0.F+B.mb{i}"):
-                    mb_loss = self.graphs[0](*part)[0]
+                    mb_loss = self.calls[0](*part)[0]
                     (mb_loss / k if k > 1 else mb_loss).backward()
                 loss += mb_loss.detach().double() / k
         else:

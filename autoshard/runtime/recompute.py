@@ -17,6 +17,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
+from autoshard.runtime.graph_break import stays_eager
 from autoshard.runtime.tp import UnboundTensorParallel
 from autoshard.runtime.zero import Zero3Runtime
 
@@ -56,6 +57,7 @@ def _contexts(tps: list[Any], zero3: Zero3Runtime | None, inputs: tuple[Any, ...
     return forward(), recompute()
 
 
+@stays_eager
 def region(module: fx.GraphModule, zero3: Zero3Runtime | None, *inputs: Any) -> Any:
     """Graph op: run an outlined region, keeping only its inputs for backward (recomputing the rest).
     ``zero3``: the graph's ZeRO-3 runtime (None without ZeRO-3)."""

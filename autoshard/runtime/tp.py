@@ -11,7 +11,10 @@ same on every rank. The pairs are Megatron's:
     reduce_scatter  forward reduce-scatter, backward all-gather  (sequence parallel's g)
     gather_rs       forward all-gather, backward reduce-scatter  (sequence parallel's f)
 
-Every collective is counted in the program's CommCounter under ``tp_<op>``.
+Their collectives are functional (``torch.ops._c10d_functional`` with ``wait_tensor``, runtime/funcol.py),
+forward and backward, over the group's name: an eager step and one compiled by torch.compile run the
+same collectives, and the autograd functions take only plain values (the group's name, size and this
+rank), which dynamo traces. Every collective is counted in the program's CommCounter under ``tp_<op>``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from torch import nn
 from autoshard.errors import DistributedError, InputError
 from autoshard.ops import WRAPPERS
 from autoshard.placements import Shard
+from autoshard.runtime import funcol
 from autoshard.runtime.comm import CommCounter
+from autoshard.runtime.graph_break import stays_eager
 
 __all__ = [
     "TensorParallel",
@@ -61,9 +66,18 @@ class UnboundTensorParallel(nn.Module):
 
     sum_ = sum_each_ = max_ = gather = reduce_scatter_ = rank_stream = _unbound
 
+    @property
+    def group_name(self) -> str:
+        """The process group's name, which the graph ops' functional collectives run on."""
+        return self._unbound()
+
 
 class TensorParallel(UnboundTensorParallel):
     """This rank's tensor-parallel group: its rank in it, the degree, and counted collectives."""
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     def __init__(self, group: dist.ProcessGroup | None, comm: CommCounter, seed: int = 0) -> None:
         """``seed``: equal on every rank of the group; this rank's own random stream starts from it and its rank."""
@@ -71,6 +85,8 @@ class TensorParallel(UnboundTensorParallel):
         self.group = group
         self.rank = dist.get_rank(group)
         self.comm = comm
+        self._group_name = (group or dist.group.WORLD).group_name
+        funcol.register_counter(self._group_name, comm)
         self.seed = seed + 2718 + self.rank  # Megatron's offset for the model-parallel stream
         self._streams: dict[str, torch.Tensor] = {}
 
@@ -144,81 +160,98 @@ def check_divisible(tensor: torch.Tensor, placement: Shard, degree: int) -> None
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
-        return tp.sum_(x.clone())
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+        return funcol.all_reduce(x, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, ctx.tp.sum_(grad.clone())
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return funcol.all_reduce(grad, ctx.name), None
 
 
-def _gather(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-    return tp.gather(x, placement)
+def _check(x: torch.Tensor, placement: Shard, size: int) -> None:
+    if not torch.compiler.is_compiling():  # sizes are checked when traced, by the shapes themselves
+        check_divisible(x, placement, size)
 
 
-def _slice(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-    check_divisible(x, placement, tp.degree)
-    return placement.local(x, tp.rank, tp.degree).contiguous()
+def _gather(x: torch.Tensor, placement: Shard, name: str, size: int, rank: int) -> torch.Tensor:
+    return funcol.gather_along(x, placement, size, name)
 
 
-def _reduce_scatter(tp: TensorParallel, x: torch.Tensor, placement: Shard) -> torch.Tensor:
-    return tp.reduce_scatter_(x.contiguous(), placement)
+def _slice(x: torch.Tensor, placement: Shard, name: str, size: int, rank: int) -> torch.Tensor:
+    _check(x, placement, size)
+    return placement.local(x, rank, size).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, placement: Shard, name: str, size: int, rank: int) -> torch.Tensor:
+    _check(x, placement, size)
+    return funcol.scatter_along(x, placement, size, name, rank)
+
+
+_STEPS = {"gather": _gather, "slice": _slice, "reduce_scatter": _reduce_scatter}
 
 
 class _Redistribute(torch.autograd.Function):
-    """A change of placement along ``placement``'s dimension: one op forward, its adjoint backward."""
+    """A change of placement along ``dim``: one step forward, its adjoint backward (names in _STEPS)."""
 
     @staticmethod
-    def forward(ctx: Any, tp: TensorParallel, x: torch.Tensor, placement: Shard, fwd: Any, bwd: Any) -> torch.Tensor:
-        ctx.tp, ctx.placement, ctx.bwd = tp, placement, bwd
-        return fwd(tp, x, placement)
+    def forward(
+        ctx: Any, x: torch.Tensor, dim: int, blocks: int, fwd: str, bwd: str, name: str, size: int, rank: int
+    ) -> torch.Tensor:
+        ctx.args = (Shard(dim, blocks), name, size, rank)
+        ctx.bwd = bwd
+        return _STEPS[fwd](x, Shard(dim, blocks), name, size, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return None, ctx.bwd(ctx.tp, grad, ctx.placement), None, None, None
+        return _STEPS[ctx.bwd](grad, *ctx.args), None, None, None, None, None, None, None
+
+
+def _redistribute(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int, fwd: str, bwd: str) -> torch.Tensor:
+    return _Redistribute.apply(x, dim, blocks, fwd, bwd, tp.group_name, tp.degree, tp.rank)
 
 
 def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
     """Partial -> Replicate: sum the ranks' partial values (backward: identity)."""
-    return _AllReduce.apply(tp, x)
+    return _AllReduce.apply(x, tp.group_name)
 
 
 def copy(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
     """A replicated value entering sharded work: identity (backward: sum the ranks' partial gradients)."""
-    return _Copy.apply(tp, x)
+    return _Copy.apply(x, tp.group_name)
 
 
 def all_gather(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Shard -> Replicate (backward: keep this rank's slice)."""
-    return _Redistribute.apply(tp, x, Shard(dim, blocks), _gather, _slice)
+    return _redistribute(tp, x, dim, blocks, "gather", "slice")
 
 
 def scatter(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Replicate -> Shard: this rank's slice, no communication (backward: all-gather)."""
-    return _Redistribute.apply(tp, x, Shard(dim, blocks), _slice, _gather)
+    return _redistribute(tp, x, dim, blocks, "slice", "gather")
 
 
 def reduce_scatter(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Partial -> Shard (sequence parallel's exit from a row-parallel linear; backward: all-gather)."""
-    return _Redistribute.apply(tp, x, Shard(dim), _reduce_scatter, _gather)
+    return _redistribute(tp, x, dim, 1, "reduce_scatter", "gather")
 
 
 def gather_rs(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Shard -> Replicate before sharded work (sequence parallel's entry; backward: reduce-scatter)."""
-    return _Redistribute.apply(tp, x, Shard(dim), _gather, _reduce_scatter)
+    return _redistribute(tp, x, dim, 1, "gather", "reduce_scatter")
 
 
+@stays_eager
 def sharded_random(tp: TensorParallel, op: Any, *args: Any, **kwargs: Any) -> Any:
     """A random op (dropout) on sharded values: drawn from this rank's own stream, so ranks' masks differ.
 
@@ -252,12 +285,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, tp: TensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, name: str, rank: int
     ) -> torch.Tensor:
         classes = logits.shape[1]
-        start = tp.rank * classes
-        row_max = logits.detach().amax(dim=1)
-        tp.max_(row_max)
+        start = rank * classes
+        row_max = funcol.all_reduce(logits.amax(dim=1), name, "max")
         shifted = logits - row_max.unsqueeze(1)
         valid = target != ignore_index
         local = target - start
@@ -265,13 +297,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = local.clamp(0, classes - 1).masked_fill(~mine, 0)
         picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
         exp = shifted.exp()
-        both = torch.stack([exp.sum(dim=1), picked])
-        tp.sum_(both)  # one all-reduce for the sum of exponentials and the target's logit
+        # One all-reduce for the sum of exponentials and the target's logit.
+        both = funcol.all_reduce(torch.stack([exp.sum(dim=1), picked]), name)
         sum_exp, picked = both[0], both[1]
         losses = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), index, mine, valid)
-        ctx.reduction, ctx.count = reduction, count
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), index, mine, valid, count)
+        ctx.reduction = reduction
         if reduction == 0:
             return losses
         if reduction == 2:
@@ -280,7 +312,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        softmax, index, mine, valid = ctx.saved_tensors
+        softmax, index, mine, valid, count = ctx.saved_tensors
         grad_logits = softmax
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, index] -= mine.to(grad_logits.dtype)
@@ -290,12 +322,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         elif ctx.reduction == 2:
             grad_logits.mul_(grad)
         else:
-            grad_logits.mul_(grad / ctx.count)
-        return None, grad_logits, None, None, None
+            grad_logits.mul_(grad / count)
+        return grad_logits, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     tp: TensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int = 1, ignore_index: int = -100
 ) -> torch.Tensor:
     """``aten.cross_entropy_loss`` for logits sharded over classes (dim 1); the loss is replicated."""
-    return _VocabParallelCrossEntropy.apply(tp, logits, target, reduction, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, reduction, ignore_index, tp.group_name, tp.rank)

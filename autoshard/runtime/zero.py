@@ -21,6 +21,7 @@ from torch import nn
 
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import FlatLayout
+from autoshard.runtime.graph_break import stays_eager
 from autoshard.runtime.holders import Groups, Masters, ShardedGrads, _nbytes
 from autoshard.runtime.tracing import span
 
@@ -66,11 +67,13 @@ class _Mark(torch.autograd.Function):
         return grad, None, None, None
 
 
+@stays_eager
 def gather(runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
     """Graph op: this group's full parameters, gathered from the dp shards."""
     return _Gather.apply(runtime.shards[group], runtime, group)
 
 
+@stays_eager
 def mark(y: torch.Tensor, runtime: Zero3Runtime, group: int, free: bool) -> torch.Tensor:
     """Graph op: ``y`` came from parameters of ``group``; ``free``: that was their last use in forward."""
     return _Mark.apply(y, runtime, group, free)
@@ -86,10 +89,13 @@ class UnboundZero3Runtime(nn.Module):
 class Zero3Runtime(nn.Module):
     """ZeRO-3 state of one rank, shared by all its stage graphs: shards at rest, gathered buffers, gradients."""
 
-    def __init__(self, layouts: dict[int, FlatLayout], comm: CommCounter) -> None:
+    def __init__(
+        self, layouts: dict[int, FlatLayout], comm: CommCounter, reduce_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.layouts = layouts
         self.comm = comm
+        self.reduce_dtype = reduce_dtype  # gradients are reduce-scattered in it (None: their own dtype)
         self.dp = next(iter(layouts.values())).dp if layouts else 1
         forward = sorted(layouts)  # group ids follow first use in forward
         self.next_of = dict(zip(forward, forward[1:]))
@@ -171,6 +177,8 @@ class Zero3Runtime(nn.Module):
             if grad is not None:
                 flat[offset : offset + math.prod(shape)].add_(grad.reshape(-1))
         if group in self.armed:
+            if self.reduce_dtype not in (None, flat.dtype):
+                flat = flat.to(self.reduce_dtype)
             flat.div_(self.dp)
             out = flat.new_empty(layout.shard_numel)
             # At most two reductions in flight: waiting for the older one frees its full-size input
@@ -215,9 +223,16 @@ class Zero3Holder(ShardedGrads):
 
     name = "ZeRO-3 (gather per layer, reduce-scatter, sharded step)"
 
-    def __init__(self, groups: Groups, comm: CommCounter, offload: bool, initial: dict[int, torch.Tensor] | None):
-        super().__init__(groups, comm)
-        self.runtime = Zero3Runtime(self.layouts, comm)
+    def __init__(
+        self,
+        groups: Groups,
+        comm: CommCounter,
+        offload: bool,
+        initial: dict[int, torch.Tensor] | None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(groups, comm, reduce_dtype)
+        self.runtime = Zero3Runtime(self.layouts, comm, reduce_dtype)
         self.masters = Masters({g: s.data for g, s in self.runtime.shards.items()}, offload, initial)
 
     def params(self) -> list[nn.Parameter]:

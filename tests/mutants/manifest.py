@@ -392,4 +392,25 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_metrics.py"],
         "k": "metrics_and_trace",
     },
+    {
+        "name": "51_wait_right_after_its_collective",
+        "file": "passes/overlap_comm.py",
+        "why": "each wait_tensor is placed right after its collective, so nothing overlaps the communication",
+        "tests": ["tests/test_compiled.py"],
+        "k": "graphs_hold",
+    },
+    {
+        "name": "52_compiled_buckets_not_divided_by_dp",
+        "file": "passes/graph_buckets.py",
+        "why": "a bucket reduced in the compiled backward graph is summed over dp instead of averaged",
+        "tests": ["tests/test_compiled.py"],
+        "k": "graphs_hold",
+    },
+    {
+        "name": "53_reduce_dtype_ignored",
+        "file": "autoshard/runtime/holders.py",
+        "why": "gradients are reduced in their own dtype whatever the plan's reduce_dtype says",
+        "tests": ["tests/test_compiled.py"],
+        "k": "reduce_dtype",
+    },
 ]
