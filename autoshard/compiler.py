@@ -23,16 +23,17 @@ from autoshard.cost import ModelCost, summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.meta import get_stage
+from autoshard.meta import evaluate_expr, get_stage
 from autoshard.placements import OnStages, ParamPlacement, Replicate, Shard
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.api import DEFAULT_HARDWARE, planning_sizes
 from autoshard.planner.costing import Costing
+from autoshard.planner.profile import profile_graph
 from autoshard.planner.report import PlanReport
 from autoshard.planner.search import choose_plan
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.runtime.pipeline import StageGraph
-from autoshard.schedules import Schedule, ScheduleError, build_schedule
+from autoshard.schedules import Schedule, build_schedule
 from autoshard.torch_compile import TorchCompile, check_devices, check_toolchain, resolve
 
 __all__ = ["Compiled", "analyse_for_planning", "cast_to", "compile", "resolve_mesh", "resolve_plan"]
@@ -130,10 +131,7 @@ def _check_batch(batch: int, dp: int) -> None:
 
 def _schedule(plan: Plan, rows: int) -> Schedule:
     if isinstance(plan.schedule, Schedule):
-        schedule = plan.schedule
-        if schedule.pp != plan.pp:
-            raise ScheduleError(f"the custom schedule has {schedule.pp} ranks but pp={plan.pp}; write one row per rank")
-        schedule.validate()
+        schedule = plan.schedule.check_for(plan.pp)
     else:
         schedule = build_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     if rows % plan.microbatches:
@@ -207,7 +205,9 @@ def analyse_for_planning(
     cost = summarize(gm)
     _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
     at = planning_sizes(sizes, global_batch_size)
-    report = choose_plan(resolved, overrides, Costing(cost, at, hardware), at, hardware)
+    model_flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, sizes))
+    profile = profile_graph(gm, sizes, hardware.kernels, model_flops)
+    report = choose_plan(resolved, overrides, Costing(profile, at, hardware), at, hardware)
     return report, captured, results, cost
 
 

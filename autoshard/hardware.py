@@ -11,7 +11,8 @@ process group) calibrates the ranks it runs on (autoshard/runtime/calibrate.py);
   every kernel costs ``op_overhead`` (launch, or on a CPU the eager dispatch);
 - a collective over ``n`` ranks is ``steps * latency + factor * bytes / bandwidth`` (NCCL-tests'
   bus bandwidth: an all-reduce moves 2(n-1)/n of the tensor, an all-gather or reduce-scatter (n-1)/n,
-  a send all of it), over the intra-node link while the group fits in one node, else inter-node.
+  a send all of it), over the intra-node link while the group fits in one node, else inter-node;
+  an all-reduce of a small tensor takes NCCL's tree instead when that is faster (2 log2 n steps).
   A measured fit for an operation and group size replaces the default link figures.
 """
 
@@ -130,14 +131,23 @@ class Hardware:
         n = group_size
         if n <= 1 and op != "send_recv":
             return 0.0
-        bandwidth, latency = self.link(op, n, self.scope(span or n))
+        scope = self.scope(span or n)
+        bandwidth, latency = self.link(op, n, scope)
         factor, steps = {
             "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
             "all_gather": ((n - 1) / n, n - 1),
             "reduce_scatter": ((n - 1) / n, n - 1),
             "send_recv": (1.0, 1),
         }[op]
-        return steps * latency + factor * nbytes / bandwidth
+        ring = steps * latency + factor * nbytes / bandwidth
+        if op == "all_reduce" and not self._measured(op, scope):
+            # NCCL takes a tree when it is faster (small messages): 2 log2(n) hops at half the bus bandwidth.
+            tree = 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bandwidth
+            return min(ring, tree)
+        return ring
+
+    def _measured(self, op: str, scope: str) -> bool:
+        return any(f.op == op and f.scope == scope for f in self.collectives)
 
     # ---- making and keeping one ---------------------------------------------------------------
     @classmethod

@@ -122,6 +122,13 @@ class Schedule:
             del row[t:]
         return grid
 
+    def check_for(self, pp: int) -> Schedule:
+        """This (custom) schedule, checked for a pipeline of ``pp`` ranks and validated; raises ScheduleError."""
+        if self.pp != pp:
+            raise ScheduleError(f"the custom schedule has {self.pp} ranks but pp={pp}; write one row per rank")
+        self.validate()
+        return self
+
     def validate(self) -> None:
         """Check rules 1-3 for every rank; raise ScheduleError naming the first broken rule."""
         if len(self.ranks) != self.pp:

@@ -141,7 +141,9 @@ def _is_weight(node: Any) -> bool:
     return root.target is operator.getitem and getattr(root.args[0], "target", None) is zero.gather
 
 
-def _is_activation(root: fx.Node) -> bool:
+def _is_activation(root: fx.Node, part: bool = False) -> bool:
+    if part and root.op == "placeholder":  # a part cut out of a graph: inputs that need grad are activations
+        return any(t is not None and t.requires_grad for t in get_shape(root).tensors)
     return root.op == "call_function" and not _is_weight(root) and get_shape(root).tensors != ()
 
 
@@ -232,7 +234,9 @@ def _aten_saves(node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str
     return result
 
 
-def _account(gm: fx.GraphModule, device_type: str) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
+def _account(
+    gm: fx.GraphModule, device_type: str, part: bool = False
+) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
     """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
     layers: dict[str, dict[str, sympy.Expr]] = {}
     counted: set[Any] = set()
@@ -255,7 +259,7 @@ def _account(gm: fx.GraphModule, device_type: str) -> tuple[dict[str, dict[str, 
                 key, size = value, nbytes
             else:
                 root = _root(value)
-                if not isinstance(root, fx.Node) or not _is_activation(root) or root in counted:
+                if not isinstance(root, fx.Node) or not _is_activation(root, part) or root in counted:
                     continue
                 key, size = root, get_shape(root).nbytes
             if key in counted:
@@ -268,13 +272,15 @@ def _account(gm: fx.GraphModule, device_type: str) -> tuple[dict[str, dict[str, 
     return layers, unaccounted
 
 
-def run(gm: fx.GraphModule, device_type: str = "cpu") -> PassResult:
-    """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above)."""
-    layers, unaccounted = _account(gm, device_type)
+def run(gm: fx.GraphModule, device_type: str = "cpu", part: bool = False) -> PassResult:
+    """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above).
+    ``part``: ``gm`` is a part cut out of a model's graph (the planner's profile): its placeholders that
+    need grad are the previous part's activations, kept like any other."""
+    layers, unaccounted = _account(gm, device_type, part)
     transient: sympy.Expr = sympy.Integer(0)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is recompute.region:
-            inner, more = _account(getattr(gm, node.args[0].target), device_type)
+            inner, more = _account(getattr(gm, node.args[0].target), device_type, part)
             unaccounted += more
             total = sympy.expand(sympy.Add(*(e for per in inner.values() for e in per.values())))
             transient = sympy.Max(transient, total) if transient != 0 else total

@@ -46,7 +46,7 @@ def test_batch_not_divisible_by_dp(mlp) -> None:
 def test_batch_not_divisible_by_the_planned_dp(mlp) -> None:
     msg = "the example global batch of 8 rows is not divisible by dp=16; use a global batch that is a multiple of 16"
     with pytest.raises(InputError, match=re.escape(msg)):
-        compile_mlp(mlp, mesh=16)
+        compile_mlp(mlp, mesh=autoshard.Mesh(dp=16))
 
 
 def test_example_inputs_of_the_wrong_type(mlp) -> None:

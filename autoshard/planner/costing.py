@@ -1,69 +1,400 @@
-"""Memory and step time of one plan (first-order model; replaced by the graph-based one)."""
+"""Memory and step time of one plan, from the model's profile (autoshard/planner/profile.py).
+
+Per pipeline stage: the parts it runs (whole blocks, the embeddings on the first stage, head and loss on
+the last), each at the plan's tp degree and microbatch size: forward and backward kernel time (each
+node's FLOPs at the efficiency its shape reaches, memory-bound nodes at the memory bandwidth, a kernel's
+overhead), the tp collectives the rewrite put there, and the forward work recomputation repeats. The
+schedule's action table is simulated with those costs and the sends between stages, which gives the
+bubble. Data-parallel traffic is the gradient reduction (ZeRO 1-2: reduce-scatter, then the all-gather
+of the updated parameters; ZeRO-3: a gather of each block's parameters in forward and again in backward
+per microbatch), hidden behind backward as far as the hardware overlaps it. Memory per rank: its
+parameters, gradients, Adam's two moments and fp32 masters, divided as the ZeRO stage divides them,
+the activations autograd keeps for every microbatch the schedule holds in flight, ZeRO-3's gathered
+layers, and the buckets being reduced.
+"""
 
 from __future__ import annotations
 
-import sympy
+import functools
+from dataclasses import dataclass
+from typing import Any
 
-from autoshard.cost import ModelCost
+import sympy
+import torch
+
 from autoshard.hardware import Hardware
-from autoshard.plan import Plan
+from autoshard.plan import Plan, is_mixed_precision
+from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
+from autoshard.schedules import Schedule, build_schedule
 
 __all__ = ["Costing"]
 
+ADAM_STATES = 2  # exp_avg and exp_avg_sq, fp32, per master element
+HOST_OP_OVERHEAD = 10e-6  # an eager kernel on the host (offload's optimizer step)
+B = sympy.Symbol("B", integer=True, positive=True)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    forward: float  # one microbatch
+    backward: float  # recomputation included
+    recompute: float
+    tp_comm: float
+    send: float  # its output to the next stage (and the gradient back)
+    params: int  # bytes one rank holds of this stage's parameters (tp shards)
+    elements: int
+    largest: int  # the largest part's parameters (a ZeRO-3 gather)
+    kept: float  # activation bytes one microbatch keeps
+    transient: float
+
 
 class Costing:
-    def __init__(self, cost: ModelCost, sizes: dict[str, int], hardware: Hardware) -> None:
-        self.cost = cost
+    """Costs plans of one model at the planning sizes on one kind of hardware."""
+
+    def __init__(self, profile: ModelProfile, sizes: dict[str, int], hardware: Hardware) -> None:
+        self.profile = profile
         self.sizes = dict(sizes)
         self.hardware = hardware
-        self.evaluated = cost.evaluate(**sizes)
-        self.blocks = sum(1 for lc in cost.layers if lc.name.rsplit(".", 1)[-1].isdigit()) or 1
-        self.heads = 0
+        self.blocks = len(profile.blocks)
+        self.heads = profile.heads
+        scale = sizes.get("B", 1) / max(1, profile.sizes.get("B", 1))
+        self.model_flops = profile.model_flops * scale  # at the planning batch
 
+    # ---- constraints ---------------------------------------------------------------------------
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
-        return pp <= max(1, self.blocks)
+        """pp at most the blocks; tp dividing the heads and sharding every kind of block."""
+        if pp > max(1, self.blocks):
+            return False
+        if tp > 1 and (self.heads and self.heads % tp):
+            return False
+        return tp == 1 or self.profile.shards(tp)
 
+    # ---- one plan ------------------------------------------------------------------------------
     def candidate(self, plan: Plan) -> Candidate:
-        hw, cost = self.hardware, self.evaluated
-        shards = plan.tp * plan.pp
-        weights = cost.param_bytes / shards
-        grads = weights
-        optimizer = 2 * weights
-        if plan.zero >= 1:
-            optimizer /= plan.dp
-        if plan.zero >= 2:
-            grads /= plan.dp
-        if plan.zero >= 3:
-            weights /= plan.dp
-        activations = int(cost.activation_bytes) / (plan.dp * shards)
-        if plan.pp > 1 and plan.schedule != "gpipe":
-            activations *= min(plan.pp, plan.microbatches) / plan.microbatches
-        memory = Memory(int(weights), int(grads), int(optimizer), 0, int(activations))
-        flops = int(cost.flops_fwd) + int(cost.flops_bwd)
-        compute = flops / (plan.mesh.size * hw.peak(plan.param_dtype) * hw.matmul_efficiency)
-        bubble = compute * (plan.pp - 1) / plan.microbatches if plan.pp > 1 else 0.0
-        dp = 0.0
-        if plan.dp > 1:
-            volume = cost.param_bytes / shards
-            dp = hw.collective_seconds("all_reduce", volume, plan.dp, plan.dp * plan.tp)
-            dp = max(0.0, dp - 0.5 * compute)
-        tp = 0.0
-        if plan.tp > 1:  # first order: four all-reduces of an eighth of a layer's activations per layer
-            per_layer = int(cost.activation_bytes) / max(1, len(cost.layers)) / plan.dp / 8
-            tp = 4 * len(cost.layers) * hw.collective_seconds("all_reduce", per_layer, plan.tp)
-        pp = 0.0
-        if plan.pp > 1:  # first order: a layer's output each way per microbatch, not overlapped
-            boundary = int(cost.activation_bytes) / max(1, len(cost.layers)) / plan.dp / 8
-            pp = 2 * plan.microbatches * hw.collective_seconds("send_recv", boundary / plan.microbatches, 2)
-        time = StepTime(compute=compute, bubble=bubble, dp_comm=dp, tp_comm=tp, pp_comm=pp)
-        step = time.total
-        per_device = flops / plan.mesh.size / step
-        symbol = sympy.Symbol("B", integer=True, positive=True)
-        expr = memory.total - memory.activations + memory.activations * symbol / self.sizes.get("B", 1)
-        return Candidate(
-            plan=plan, step_time=step, memory=memory, time=time, tflops_per_device=per_device / 1e12,
-            mfu=per_device / hw.peak(plan.param_dtype), fits=memory.total <= hw.memory_bytes,
-            why=f"compute: {compute / step:.0%} of the step", capacity=hw.memory_bytes, memory_expr=expr,
-            batch_multiple=plan.dp * plan.microbatches,
+        hw = self.hardware
+        rows = self.sizes.get("B", 1)
+        local = max(1, rows // plan.dp)
+        micro = max(1, local // plan.microbatches)
+        stages = self._stages(plan, micro)
+        schedule = self._schedule(plan)
+        if schedule is None:
+            stage = stages[0]
+            compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm)
+            tp_comm, pp_comm, bubble, window = plan.microbatches * stage.tp_comm, 0.0, 0.0, stage.backward
+            in_flight = [1]
+            timeline: tuple = ()
+        else:
+            makespan, busy, timeline = _simulate(schedule, tuple(stages))
+            no_send, _, _ = _simulate(schedule, tuple(_without_sends(s) for s in stages))
+            per_rank_tp = [0.0] * plan.pp
+            for index, s in enumerate(stages):
+                per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
+            slowest = max(range(plan.pp), key=busy.__getitem__)
+            tp_comm = per_rank_tp[slowest]
+            compute = busy[slowest] - tp_comm
+            pp_comm = max(0.0, makespan - no_send)
+            bubble = max(0.0, makespan - busy[slowest] - pp_comm)
+            window = max(s.backward for s in stages)
+            in_flight = schedule.peak_in_flight()
+        recompute = plan.microbatches * max(s.recompute for s in stages)
+        dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute)
+        time = StepTime(
+            compute=compute, recompute=recompute, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
+            dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
         )  # fmt: skip
+        memory, per_row = self._memory(plan, stages, in_flight, micro)
+        step = time.total
+        executed = self.model_flops + self._recompute_flops(plan, micro)
+        per_device = executed / plan.mesh.size / step
+        mfu = self.model_flops / plan.mesh.size / step / hw.peak(self._dtype(plan))
+        fits = memory.total <= hw.memory_bytes
+        expr = sympy.Integer(memory.total - memory.activations) + sympy.Rational(per_row).limit_denominator(10**6) * B
+        return Candidate(
+            plan=plan, step_time=step, memory=memory, time=time, tflops_per_device=per_device / 1e12, mfu=mfu,
+            fits=fits, why=_why(time, memory, fits, hw), capacity=hw.memory_bytes, timeline=timeline,
+            memory_expr=expr, batch_multiple=plan.dp * plan.microbatches,
+        )  # fmt: skip
+
+    def _dtype(self, plan: Plan) -> Any:
+        return plan.autocast or plan.param_dtype or self.profile.model_dtype
+
+    def _schedule(self, plan: Plan) -> Schedule | None:
+        if plan.pp == 1:
+            return None
+        if isinstance(plan.schedule, Schedule):
+            return plan.schedule.check_for(plan.pp)
+        return _built(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+
+    def _parts_per_stage(self, plan: Plan, micro: int) -> list[list[str]]:
+        n = plan.pp * plan.virtual_stages
+        blocks = list(self.profile.blocks)
+        if n == 1:
+            return [self._with_ends(blocks, 0, 1)]
+        names = self.profile.block_names
+        if plan.pp_cuts is not None and len(plan.pp_cuts) == n - 1 and all(c in names for c in plan.pp_cuts):
+            starts = [0, *(names.index(c) for c in plan.pp_cuts), len(blocks)]
+        else:
+            starts = _balanced_starts(tuple(self._block_seconds(plan, micro)), n)
+        return [self._with_ends(blocks[starts[i] : starts[i + 1]], i, n) for i in range(n)]
+
+    def _with_ends(self, blocks: list[str], index: int, n: int) -> list[str]:
+        parts = list(blocks)
+        if index == 0 and "pre" in self.profile.parts:
+            parts.insert(0, "pre")
+        if index == n - 1 and "post" in self.profile.parts:
+            parts.append("post")
+        return parts
+
+    def _block_seconds(self, plan: Plan, micro: int) -> list[float]:
+        out = []
+        for kind in self.profile.blocks:
+            t = self._part(kind, plan).times({**self.sizes, "B": micro}, self.hardware, self._dtype(plan))
+            out.append(t.forward + t.backward)
+        return out
+
+    def _part(self, name: str, plan: Plan) -> PartAtDegree:
+        return self.profile.part(name, plan.tp, plan.sequence_parallel)
+
+    def _stages(self, plan: Plan, micro: int) -> list[_Stage]:
+        hw, sizes, dtype = self.hardware, {**self.sizes, "B": micro}, self._dtype(plan)
+        out = []
+        cut_names = self._parts_per_stage(plan, micro)
+        block_iter = iter(self.profile.block_names)
+        for names in cut_names:
+            f = b = r = tp = 0.0
+            params = elements = largest = 0
+            kept = transient = boundary = 0.0
+            for name in names:
+                part = self._part(name, plan)
+                layer = next(block_iter) if name.startswith("block") else name
+                choice = _choice(plan.recompute, layer)
+                times = part.times(sizes, hw, dtype)
+                f += times.forward + times.tp_forward
+                again = times.recompute(part, choice) if choice != "none" else 0.0
+                b += times.backward + times.tp_backward + again
+                r += again
+                tp += times.tp_forward + times.tp_backward
+                params += part.param_bytes
+                elements += part.param_elements
+                largest = max(largest, part.largest_param_bytes)
+                k, tr, boundary = part.at(choice, sizes)
+                kept += k
+                transient = max(transient, tr)
+            send = 0.0
+            if plan.pp > 1 and names:
+                span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
+                send = hw.collective_seconds("send_recv", boundary, 2, span)
+            out.append(_Stage(f, b, r, tp, send, params, elements, largest, kept, transient))
+        return out
+
+    def _data_parallel(
+        self, plan: Plan, stages: list[_Stage], window: float, compute: float
+    ) -> tuple[float, float, float, float]:
+        """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic."""
+        hw = self.hardware
+        per_rank = _by_rank(stages, plan.pp)
+        params = max(sum(s.params for s in group) for group in per_rank)
+        elements = max(sum(s.elements for s in group) for group in per_rank)
+        itemsize = params / max(1, elements)
+        grad_bytes = elements * (_itemsize(plan.reduce_dtype) if plan.reduce_dtype else itemsize)
+        span = plan.dp * plan.tp
+        dp_comm = zero3 = 0.0
+        if plan.dp > 1:
+            if plan.zero == 0:
+                reduce = hw.collective_seconds("all_reduce", grad_bytes, plan.dp, span)
+                dp_comm = _exposed(hw, "all_reduce", reduce, window, grad_bytes, plan.bucket_bytes)
+            else:
+                reduce = hw.collective_seconds("reduce_scatter", grad_bytes, plan.dp, span)
+                dp_comm = _exposed(hw, "reduce_scatter", reduce, window, grad_bytes, plan.bucket_bytes)
+                if plan.zero < 3:  # the updated shards gathered back after the step: nothing to hide behind
+                    dp_comm += hw.collective_seconds("all_gather", params, plan.dp, span)
+            if plan.zero == 3:
+                largest = max(s.largest for s in stages)
+                gathers = 2 * plan.microbatches * hw.collective_seconds("all_gather", params, plan.dp, span)
+                first = hw.collective_seconds("all_gather", largest, plan.dp, span)
+                zero3 = _exposed(hw, "all_gather", gathers, compute, gathers, 0) + first
+        shard = plan.dp if plan.zero >= 1 else 1
+        master = elements * 4
+        # Adam reads and writes the master, both moments and the gradient: ~7 passes of 4 bytes an element.
+        touched = 7 * master / shard
+        optimizer = offload = 0.0
+        if plan.offload:
+            # The host steps after the gradients are down and before the parameters go back up: in series,
+            # each a copy per flat group, the step a few eager CPU kernels per group.
+            optimizer = touched / hw.host_memory_bandwidth + 8 * HOST_OP_OVERHEAD
+            offload = 2 * (master / shard / hw.host_bandwidth + hw.op_overhead)
+        else:
+            optimizer = hw.memory_seconds(touched, kernels=8)
+        return dp_comm, zero3, optimizer, offload
+
+    def _memory(self, plan: Plan, stages: list[_Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
+        """The most loaded rank's memory, and its activation bytes per row of the global batch."""
+        best: Memory | None = None
+        per_row = 0.0
+        for rank, group in enumerate(_by_rank(stages, plan.pp)):
+            params = sum(s.params for s in group)
+            elements = sum(s.elements for s in group)
+            weights, grads = params, params
+            masters = elements * 4 if is_mixed_precision(plan.param_dtype) else 0
+            optimizer = ADAM_STATES * elements * 4
+            largest = max(s.largest for s in group)
+            if plan.zero >= 1:
+                optimizer //= plan.dp
+                masters //= plan.dp
+            # What the runtime holds at the end of backward (autoshard/runtime/holders.py, zero.py): ZeRO-2
+            # allocates the full gradient buffers for the backward and keeps only its shard after; ZeRO-3
+            # reduce-scatters each group as its backward ends, unless microbatches accumulate into it.
+            gathered = 0
+            if plan.zero >= 3:
+                weights //= plan.dp
+                gathered = 2 * largest  # a layer and the prefetched next one
+                grads = grads // plan.dp + (grads if plan.microbatches > 1 else 2 * largest)
+            if plan.offload:
+                optimizer, masters = 0, 0
+            # Each microbatch in flight on this rank holds one of its stages' activations (pp = 1: gradient
+            # accumulation runs one microbatch at a time).
+            flight = in_flight[rank] if plan.pp > 1 else 1
+            kept = flight * sum(s.kept for s in group) / len(group)
+            activations = kept + max(s.transient for s in group)
+            buffers = 0
+            if plan.dp > 1 and plan.zero < 3:
+                buffers = 2 * min(int(plan.bucket_bytes), grads)
+            memory = Memory(
+                weights=int(weights), gradients=int(grads), optimizer=int(optimizer), masters=int(masters),
+                activations=int(activations), gathered=int(gathered), buffers=int(buffers),
+            )  # fmt: skip
+            if best is None or memory.total > best.total:
+                best, per_row = memory, activations / max(1, micro * plan.dp * plan.microbatches)
+        assert best is not None
+        return best, per_row
+
+    def _recompute_flops(self, plan: Plan, micro: int) -> float:
+        """FLOPs recomputation repeats in one step, over every rank."""
+        if plan.recompute == "none":
+            return 0.0
+        sizes = {**self.sizes, "B": micro}
+        flops = 0.0
+        for kind, name in zip(self.profile.blocks, self.profile.block_names):
+            choice = _choice(plan.recompute, name)
+            if choice != "none":
+                flops += self._part(kind, plan).recompute_flops(choice, sizes)
+        return flops * plan.tp * plan.dp * plan.microbatches
+
+
+def _choice(recompute: Any, layer: str) -> str:
+    if isinstance(recompute, str):
+        return recompute if layer not in ("pre", "post") else "none"
+    return "full" if layer in recompute else "none"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _exposed(hw: Hardware, op: str, seconds: float, window: float, nbytes: float, bucket: float) -> float:
+    """What of an asynchronous collective stays on the critical path behind ``window`` seconds of compute:
+    all of it where the runtime issues it synchronously, else what overlap cannot hide, at least the last
+    bucket's share."""
+    if op in hw.blocking:
+        return seconds
+    last = seconds * min(1.0, bucket / nbytes) if nbytes else 0.0
+    return max(seconds - hw.overlap * window, last)
+
+
+def _by_rank(stages: list[_Stage], pp: int) -> list[list[_Stage]]:
+    return [stages[r::pp] for r in range(pp)]
+
+
+def _without_sends(s: _Stage) -> _Stage:
+    return _Stage(s.forward, s.backward, s.recompute, s.tp_comm, 0.0, s.params, s.elements, s.largest, s.kept,
+                  s.transient)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
+    return build_schedule(name, pp, microbatches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
+    """Where each of ``n`` contiguous groups of blocks starts so the costliest group is cheapest."""
+    count = len(seconds)
+    if n >= count:
+        return [min(i, count) for i in range(n)] + [count]
+    lo, hi = max(seconds), sum(seconds)
+    for _ in range(40):
+        cap = (lo + hi) / 2
+        groups, acc = 1, 0.0
+        for s in seconds:
+            if acc + s > cap and acc > 0:
+                groups, acc = groups + 1, s
+            else:
+                acc += s
+        lo, hi = (cap, hi) if groups > n else (lo, cap)
+    starts, acc = [0], 0.0
+    for i, s in enumerate(seconds):
+        if acc + s > hi * (1 + 1e-9) and acc > 0 and len(starts) < n:
+            starts.append(i)
+            acc = s
+        else:
+            acc += s
+    while len(starts) < n:  # fewer groups than asked: split the last ones one block each
+        starts.append(starts[-1] + 1)
+    starts = sorted(set(min(s, count - (n - i)) for i, s in enumerate(starts)))
+    while len(starts) < n:
+        starts.append(starts[-1] + 1)
+    return [*starts, count]
+
+
+@functools.lru_cache(maxsize=65536)
+def _simulate(schedule: Schedule, stages: tuple[_Stage, ...]) -> tuple[float, list[float], tuple]:
+    """Run the schedule's action table with each stage's costs; (makespan, busy seconds per rank, timeline)."""
+    n_stages = schedule.n_stages
+    finish: dict[Any, float] = {}
+    free = [0.0] * schedule.pp
+    cursor = [0] * schedule.pp
+    busy = [0.0] * schedule.pp
+    rows: list[list[tuple[str, float, float]]] = [[] for _ in range(schedule.pp)]
+    total = sum(len(r) for r in schedule.ranks)
+    done = 0
+    while done < total:
+        progressed = False
+        for rank, actions in enumerate(schedule.ranks):
+            while cursor[rank] < len(actions):
+                action = actions[cursor[rank]]
+                need = action.needs(n_stages)
+                if need is not None and need not in finish:
+                    break
+                stage = stages[action.stage]
+                ready = 0.0
+                if need is not None:
+                    ready = finish[need]
+                    if schedule.rank_of(need.stage) != rank:
+                        sender = stages[need.stage] if action.kind == "F" else stage
+                        ready += sender.send
+                duration = stage.forward if action.kind == "F" else stage.backward
+                start = max(free[rank], ready)
+                free[rank] = finish[action] = start + duration
+                busy[rank] += duration
+                rows[rank].append((str(action), start, start + duration))
+                cursor[rank] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            break  # the schedule was validated when built; a custom one that deadlocks fails at compile
+    return max(free), busy, tuple(tuple(r) for r in rows)
+
+
+def _why(time: StepTime, memory: Memory, fits: bool, hw: Hardware) -> str:
+    if not fits:
+        return f"memory: {memory.total / 2**30:.2f} GiB per rank needed, {hw.memory_bytes / 2**30:.2f} GiB available"
+    step = time.total
+    parts = {
+        "compute": time.compute + time.optimizer,
+        "exposed communication": time.exposed_communication,
+        "bubble": time.bubble,
+    }
+    name = max(parts, key=parts.__getitem__)
+    detail = ", ".join(f"{k} {v / step:.0%}" for k, v in parts.items())
+    return f"{name}: {detail} of the step"

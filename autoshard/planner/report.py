@@ -161,11 +161,21 @@ class PlanReport(Sequence):
     def winner(self) -> Plan:
         return self.chosen.plan
 
-    def table(self, top: int = 8) -> str:
+    def table(self, top: int = 8, shapes: int = 8) -> str:
+        """The ``top`` candidates, then the best of up to ``shapes`` other mesh shapes (why they lost)."""
         lines = [f"{'plan':<64} {'memory':>10} {'step':>12} {'TFLOP/s':>7} {'MFU':>6}  {'bottleneck':<21} note"]
         lines += [c.row(chosen=i == 0) for i, c in enumerate(self.candidates[:top])]
-        if len(self.candidates) > top:
-            lines.append(f"... and {len(self.candidates) - top} more candidates ({self.searched} plans costed)")
+        shown = {(c.plan.dp, c.plan.tp, c.plan.pp) for c in self.candidates[:top]}
+        others = []
+        for c in self.candidates[top:]:
+            shape = (c.plan.dp, c.plan.tp, c.plan.pp)
+            if shape not in shown and len(others) < shapes:
+                shown.add(shape)
+                others.append(c.row())
+        if others:
+            lines += ["best of the other mesh shapes:", *others]
+        if len(self.candidates) > top + len(others):
+            lines.append(f"... {len(self.candidates)} candidates in all ({self.searched} plans costed)")
         return "\n".join(lines)
 
     def breakdown(self, top: int = 3) -> str:

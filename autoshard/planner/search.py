@@ -72,9 +72,11 @@ def _options(name: str, overrides: dict[str, Any], default: Iterable[Any]) -> li
 
 
 def _simplicity(plan: Plan) -> tuple:
-    """Fewer parallel dimensions, then lower ZeRO stage, no offload, no recomputation: simpler."""
+    """Fewer parallel dimensions, then lower ZeRO stage, no offload, no recomputation, 1F1B: simpler."""
     dims = (plan.tp > 1) + (plan.pp > 1)
-    return (dims, plan.zero, plan.offload, plan.recompute != "none", plan.microbatches, plan.sequence_parallel)
+    interleaved = plan.virtual_stages > 1
+    return (dims, plan.zero, plan.offload, plan.recompute != "none", plan.schedule != "1f1b", interleaved,
+            plan.microbatches, plan.sequence_parallel)  # fmt: skip
 
 
 def enumerate_plans(
@@ -91,9 +93,9 @@ def enumerate_plans(
             continue
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero in zeros:
-            if zero > 0 and dp == 1 and "zero" not in overrides:
-                continue
             for offload in _options("offload", overrides, [False, True] if zero else [False]):
+                if zero > 0 and dp == 1 and not offload and "zero" not in overrides:
+                    continue  # one rank: ZeRO shards nothing, but ZeRO-Offload still moves the optimizer out
                 for sp in _options("sequence_parallel", overrides, [False, True] if tp > 1 else [False]):
                     if sp and tp == 1:
                         continue
@@ -116,9 +118,16 @@ def _pipeline_options(
         if not isinstance(schedule, str):
             yield {"schedule": schedule}
             continue
-        if schedule == "interleaved_1f1b":
+        if "pp_cuts" in overrides and overrides["pp_cuts"] is not None:  # the cuts fix the stage count
+            stages = len(overrides["pp_cuts"]) + 1
+            vs = [stages // pp] if stages % pp == 0 else [1]
+            if (schedule == "interleaved_1f1b") != (vs[0] > 1):
+                continue
+        elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
         else:
+            if overrides.get("virtual_stages", 1) != 1:
+                continue
             vs = [1]
         for v in vs:
             if v > 1 and not fixed_mesh and costing.blocks % (pp * v):
@@ -157,11 +166,20 @@ def choose_plan(
     shapes = _shapes(world_or_mesh, overrides)
     fixed_mesh = isinstance(world_or_mesh, Mesh)
     rows = sizes.get("B", 1)
+    if fixed_mesh:
+        _validate(world_or_mesh, overrides, rows)
     best: dict[tuple[int, int, int, int], Candidate] = {}
+    everything: list[Candidate] = []
     searched = 0
-    for plan in enumerate_plans(shapes, overrides, costing, rows, fixed_mesh):
+    for plan in _in_search_order(enumerate_plans(shapes, overrides, costing, rows, fixed_mesh), fixed_mesh, rows):
+        if plan is None:  # a fixed mesh: a level of changes from the defaults had a plan that fits
+            if any(c.fits for c in everything):
+                break
+            continue
         searched += 1
         candidate = costing.candidate(plan)
+        if fixed_mesh:
+            everything.append(candidate)
         key = (plan.dp, plan.tp, plan.pp, plan.zero)
         if key not in best or _rank(candidate) < _rank(best[key]):
             best[key] = candidate
@@ -171,7 +189,12 @@ def choose_plan(
             f"pp at most the {costing.blocks} blocks, dp dividing the batch of {rows}); use another world size"
         )
     ranked = sorted(best.values(), key=_rank)
-    ranked = _prefer_simpler(ranked)
+    if fixed_mesh:  # the mesh is the user's: change the fewest defaults that make it fit, then the fastest
+        fitting = sorted((c for c in everything if c.fits), key=lambda c: (_changes(c.plan, rows), c.step_time))
+        if fitting:
+            ranked = [fitting[0], *(c for c in ranked if c is not fitting[0])]
+    else:
+        ranked = _prefer_simpler(ranked)
     winner = ranked[0]
     if not winner.fits and not fixed_mesh:
         raise PlanError(_no_fit_message(world_or_mesh, winner, hardware))
@@ -190,15 +213,51 @@ def choose_plan(
         else f"{winner.plan} fits {fmt_bytes(hardware.memory_bytes)} per rank and is "
     )
     reason += f"the fastest predicted of {len(fitting)} fitting candidate(s) ({searched} plans costed)"
-    if runner_up is not None:
+    if runner_up is not None and runner_up.step_time < winner.step_time:
+        reason += (
+            f"; {runner_up.plan} is predicted {1 - runner_up.step_time / winner.step_time:.1%} faster, within "
+            f"{SIMPLER_WITHIN:.0%} (what the cost model resolves), and is not as simple"
+        )
+    elif runner_up is not None:
         reason += (
             f"; the next best, {runner_up.plan}, is predicted {runner_up.step_time / winner.step_time:.2f}x slower"
         )
     return PlanReport(tuple(ranked), reason, dict(sizes), hardware, searched)
 
 
+def _in_search_order(plans: Iterable[Plan], fixed_mesh: bool, rows: int) -> Iterable[Plan | None]:
+    """Every plan; on a fixed mesh by how many defaults each changes, a None after each level (the search
+    stops at the first level where something fits: a fixed mesh keeps the defaults that fit)."""
+    if not fixed_mesh:
+        yield from plans
+        return
+    levels: dict[int, list[Plan]] = {}
+    for plan in plans:
+        levels.setdefault(_changes(plan, rows), []).append(plan)
+    for level in sorted(levels):
+        yield from levels[level]
+        yield None
+
+
+def _validate(mesh: Mesh, overrides: dict[str, Any], rows: int) -> None:
+    """The fixed fields on this mesh, the rest at their defaults, make a valid plan (else Plan says why)."""
+    fields = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, **overrides}
+    if mesh.pp > 1 and "microbatches" not in fields:
+        fields["microbatches"] = default_microbatches(rows // mesh.dp, mesh.pp, fields.get("schedule", "1f1b"))
+    Plan(**fields)
+
+
 def _rank(c: Candidate) -> tuple:
     return (not c.fits, c.step_time if c.fits else c.memory.total)
+
+
+def _changes(plan: Plan, rows: int) -> int:
+    """How many fields a plan sets away from their defaults (a fixed mesh keeps the defaults that fit)."""
+    default_m = default_microbatches(rows // plan.dp, plan.pp, plan.schedule) if plan.pp > 1 else 1
+    return sum((
+        plan.zero > 0, plan.offload, plan.sequence_parallel, plan.recompute != "none", plan.schedule != "1f1b",
+        plan.virtual_stages != 1, plan.microbatches != default_m,
+    ))  # fmt: skip
 
 
 def _prefer_simpler(ranked: list[Candidate]) -> list[Candidate]:

@@ -1,0 +1,430 @@
+"""What the planner reads off the captured graph: per part of the model (each kind of repeated block, what
+comes before the first block, what comes after the last), per tensor-parallel degree, the work of every
+node, the collectives the tp rewrite inserts, the parameters each rank holds, and what backward keeps
+under each recompute choice.
+
+A part is cut out of the analysed graph as a graph of its own (its inputs become placeholders) and the
+compiler's own passes run on it: ``tp_placement`` and ``tp_rewrite`` at each degree (with and without
+sequence parallelism), then ``recompute`` and ``saved_tensors`` for each choice. So the traffic is what
+the rewrite inserts and the activation bytes are what autograd keeps, not a formula. Blocks whose nodes
+match op for op and shape for shape are one kind, profiled once (an 80-layer Llama: one block).
+Everything stays symbolic in the model's sizes (B, S); ``PartAtDegree.times`` evaluates at a microbatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard import passes
+from autoshard.hardware import Hardware
+from autoshard.meta import COST, RECOMPUTE, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape
+from autoshard.ops import ALIASING, packet
+
+__all__ = ["ModelProfile", "PartAtDegree", "PartTimes", "profile_graph"]
+
+aten = torch.ops.aten
+_NO_WORK = {"placeholder", "get_attr", "output"}
+
+
+def _is_block(layer: str) -> bool:
+    return layer.rsplit(".", 1)[-1].isdigit()
+
+
+def extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    """``nodes`` (in graph order) as a graph of their own: values read from elsewhere become placeholders
+    (their meta kept), parameters read from elsewhere (a tied head) are read here too, values read
+    elsewhere become outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inside = set(nodes)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in inside or arg in env:
+                continue
+            if arg.op == "get_attr":
+                env[arg] = graph.node_copy(arg)
+            else:
+                env[arg] = graph.placeholder(arg.name)
+                env[arg].meta = dict(arg.meta)
+        env[node] = graph.node_copy(node, env.__getitem__)
+    outputs = [env[n] for n in nodes if n.op != "get_attr" and any(u not in inside for u in n.users)]
+    graph.output(tuple(outputs))
+    # The part reads meta stand-ins of the model's tensors: it is only analysed, and a profile kept for
+    # later compiles must not keep the model's memory alive.
+    attrs = {n.target: _on_meta(_attr(gm, n.target)) for n in graph.nodes if n.op == "get_attr"}
+    return fx.GraphModule(attrs, graph)
+
+
+def _on_meta(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    meta = torch.empty_like(value, device="meta")
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=value.requires_grad)
+    return meta
+
+
+@dataclass(frozen=True)
+class Work:
+    """One node's work, symbolic: FLOPs forward and backward, matmul dimensions, bytes it moves."""
+
+    name: str
+    flops_fwd: sympy.Expr
+    flops_bwd: sympy.Expr
+    dims: tuple[sympy.Expr, ...]  # (m, n, k) of a matmul; () otherwise
+    nbytes: sympy.Expr  # read and written in forward
+    grad: bool  # backward runs for it
+    kernel: bool  # launches a kernel (views and bookkeeping do not)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A collective the tp rewrite inserted: its forward and backward operation and the local bytes."""
+
+    forward: str | None
+    backward: str | None
+    nbytes_in: sympy.Expr  # the larger of the two is the full size a collective is timed by
+    nbytes_out: sympy.Expr
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """Seconds one microbatch of a part takes on one rank."""
+
+    forward: float
+    backward: float
+    tp_forward: float
+    tp_backward: float
+    by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
+
+    def recompute(self, part: PartAtDegree, choice: str) -> float:
+        """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
+        if choice == "none":
+            return 0.0
+        if choice == "full":
+            return self.forward + self.tp_forward
+        return sum(self.by_node.get(n, 0.0) for n in part.recomputed(choice))
+
+
+@dataclass
+class PartAtDegree:
+    """One part of the model at one tp degree (and sequence parallelism or not), symbolic in B and S."""
+
+    works: tuple[Work, ...]
+    comms: tuple[Comm, ...]
+    param_bytes: int  # what one rank holds (its shards)
+    param_elements: int
+    largest_param_bytes: int  # the most one ZeRO-3 gather brings at once (this part's local parameters)
+    sharded: bool  # the rewrite sharded at least one weight
+    boundary_bytes: sympy.Expr  # what it hands to the next part (a pipeline send)
+    degree: int
+    graph: fx.GraphModule  # the part as rewritten for this degree
+    kernels: str
+    _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
+    _times: dict[tuple, PartTimes] = field(default_factory=dict)
+    _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+
+    def saved(self, choice: str) -> tuple[sympy.Expr, sympy.Expr]:
+        """(bytes kept for backward, bytes live while a region recomputes) per microbatch under ``choice``."""
+        return self._recompute(choice)[:2]
+
+    def at(self, choice: str, sizes: dict[str, int]) -> tuple[float, float, float]:
+        """(kept, transient, boundary) bytes at ``sizes``."""
+        key = (choice, tuple(sorted(sizes.items())))
+        if key not in self._at:
+            kept, transient = self.saved(choice)
+            self._at[key] = (_value(kept, sizes), _value(transient, sizes), _value(self.boundary_bytes, sizes))
+        return self._at[key]
+
+    def recompute_flops(self, choice: str, sizes: dict[str, int]) -> float:
+        """Forward FLOPs ``choice`` repeats in backward, at ``sizes``."""
+        key = ("flops", choice, tuple(sorted(sizes.items())))
+        if key not in self._at:
+            names = self.recomputed(choice) if choice not in ("none", "full") else frozenset()
+            works = [w for w in self.works if choice == "full" or w.name in names]
+            self._at[key] = (sum(_value(w.flops_fwd, sizes) for w in works), 0.0, 0.0)
+        return self._at[key][0]
+
+    def recomputed(self, choice: str) -> frozenset[str]:
+        """The nodes ``choice`` repeats in backward."""
+        return self._recompute(choice)[2]
+
+    def _recompute(self, choice: str) -> tuple[sympy.Expr, sympy.Expr, frozenset[str]]:
+        if choice not in self._saved:
+            has_block = any(_is_block(get_layer(n)) for n in self.graph.graph.nodes if n.op == "call_function")
+            if choice != "none" and not has_block:
+                self._saved[choice] = self._recompute("none")
+            else:
+                g = copy.deepcopy(self.graph)
+                passes.run_pass(passes.recompute.PASS, g, choice)
+                memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True).value
+                self._saved[choice] = (memory.kept, memory.transient, _recomputed(g))
+        return self._saved[choice]
+
+    def times(self, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
+        """One microbatch of ``sizes`` (B: its rows) on one rank of ``hw``."""
+        key = (tuple(sorted(sizes.items())), id(hw), str(dtype))
+        if key not in self._times:
+            self._times[key] = _times(self, sizes, hw, dtype)
+        return self._times[key]
+
+
+def _value(expr: Any, sizes: dict[str, int]) -> float:
+    return float(evaluate_expr(expr, sizes)) if isinstance(expr, sympy.Basic) else float(expr)
+
+
+def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
+    every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
+    forward = backward = 0.0
+    by_name: dict[str, float] = {}
+    for w in part.works:
+        if not (w.kernel or every_kernel):
+            continue
+        flops_fwd, nbytes = _value(w.flops_fwd, sizes), _value(w.nbytes, sizes)
+        if w.dims:
+            dims = tuple(max(1.0, _value(d, sizes)) for d in w.dims)
+            f = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
+            flops_bwd = _value(w.flops_bwd, sizes)
+            b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
+        else:
+            f = hw.memory_seconds(nbytes if w.kernel else 0.0)
+            b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0
+        forward += f
+        backward += b
+        by_name[w.name] = f
+    tp_fwd = tp_bwd = 0.0
+    for c in part.comms:
+        full = max(_value(c.nbytes_in, sizes), _value(c.nbytes_out, sizes))
+        if c.forward:
+            tp_fwd += hw.collective_seconds(c.forward, full, part.degree)
+        if c.backward:
+            tp_bwd += hw.collective_seconds(c.backward, full, part.degree)
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
+
+
+def _works(gm: fx.GraphModule) -> tuple[Work, ...]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op in _NO_WORK or node.target is operator.getitem:
+            continue
+        shape = get_shape(node)
+        cost = get_cost(node) if COST in node.meta else None
+        op = packet(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
+        kernel = op is not None and op not in ALIASING
+        reads = [get_shape(a).nbytes for a in node.all_input_nodes]
+        nbytes = sympy.Add(shape.nbytes, *reads) if kernel else sympy.Integer(0)
+        dims = _matmul_dims(node) if cost is not None and cost.flops_fwd != 0 else ()
+        grad = any(t is not None and t.requires_grad for t in shape.tensors)
+        flops_fwd = cost.flops_fwd if cost is not None else sympy.Integer(0)
+        flops_bwd = cost.flops_bwd if cost is not None else sympy.Integer(0)
+        out.append(Work(node.name, flops_fwd, flops_bwd, dims, nbytes, grad, kernel or bool(dims)))
+    return tuple(out)
+
+
+def _matmul_dims(node: fx.Node) -> tuple[sympy.Expr, ...]:
+    """(m, n, k) of a matmul-class node from its operands' local shapes (attention: query, key length, head)."""
+    shapes = [get_shape(a).tensors[0] if isinstance(a, fx.Node) and get_shape(a).tensors else None for a in node.args]
+    out = get_shape(node).tensors[0]
+    op = packet(node.target)
+    if op in (aten.linear,) and shapes[1] is not None:
+        k, n = shapes[1].sizes[-1], shapes[1].sizes[0]
+        return (sympy.expand(out.numel / n), n, k)
+    if op in (aten.addmm, aten.baddbmm) and shapes[1] is not None:
+        k, n = shapes[1].sizes[-1], out.sizes[-1]
+        return (sympy.expand(out.numel / n), n, k)
+    if op in (aten.mm, aten.bmm, aten.matmul) and shapes[0] is not None:
+        k, n = shapes[0].sizes[-1], out.sizes[-1]
+        return (sympy.expand(out.numel / n), n, k)
+    if shapes and shapes[0] is not None and len(shapes[0].sizes) >= 2:  # attention: [..., L, E]
+        q = shapes[0]
+        return (q.sizes[-2], shapes[1].sizes[-2] if shapes[1] is not None else q.sizes[-2], q.sizes[-1])
+    return ()
+
+
+def _local_params(gm: fx.GraphModule, owned: frozenset[str]) -> tuple[int, int, int]:
+    """Bytes and elements of the parameters this part owns (a tied one counts in the part that first reads it)."""
+    total = elements = largest = 0
+    seen = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target in seen or node.target not in owned:
+            continue
+        seen.add(node.target)
+        shape = get_shape(node)
+        if not shape.tensors or not shape.tensors[0].requires_grad:
+            continue
+        t = shape.tensors[0]
+        n = int(evaluate_expr(t.numel, {}))
+        total += int(evaluate_expr(t.nbytes, {}))
+        elements += n
+    largest = total
+    return total, elements, largest
+
+
+def _comms(gm: fx.GraphModule) -> tuple[Comm, ...]:
+    out = []
+    for node in gm.graph.nodes:
+        if TP_COMM in node.meta:
+            c = node.meta[TP_COMM]
+            source = next((a for a in node.all_input_nodes if a.op != "get_attr"), node)
+            out.append(Comm(c.forward, c.backward, get_shape(source).nbytes, get_shape(node).nbytes))
+    return tuple(out)
+
+
+def _recomputed(gm: fx.GraphModule) -> frozenset[str]:
+    names = set()
+    for node in gm.graph.nodes:
+        if RECOMPUTE in node.meta:
+            sub = getattr(gm, node.args[0].target)
+            names |= {n.name for n in sub.graph.nodes if n.op == "call_function"}
+    return frozenset(names)
+
+
+def _profile_part(
+    sub: fx.GraphModule, owned: frozenset[str], degree: int, sp: bool, sizes: dict[str, int], kernels: str
+) -> PartAtDegree:
+    g = copy.deepcopy(sub)
+    sharded = False
+    if degree > 1:
+        report = passes.run_pass(passes.tp_placement.PASS, g, degree, sp, sizes).value
+        from autoshard.placements import Shard
+
+        sharded = any(isinstance(p, Shard) for p in report.weights.values())
+        passes.run_pass(passes.tp_rewrite.PASS, g, degree, sp)
+        passes.run_pass(passes.cost_model.PASS, g)  # FLOPs of the local shapes
+    works, comms = _works(g), _comms(g)
+    param_bytes, elements, largest = _local_params(g, owned)
+    out_node = next(n for n in g.graph.nodes if n.op == "output")
+    boundary = sympy.Add(
+        *(get_shape(v).nbytes for v in out_node.args[0] if isinstance(v, fx.Node) and get_shape(v).requires_grad)
+    )
+    return PartAtDegree(works, comms, param_bytes, elements, largest, sharded, boundary, degree, g, kernels)
+
+
+@dataclass
+class ModelProfile:
+    """The parts of one model and their profiles per (tp degree, sequence parallel), made on demand."""
+
+    parts: dict[str, fx.GraphModule]  # "pre", one per block kind ("block 0", ...), "post"
+    owned: dict[str, frozenset[str]]  # per part, the parameters it owns (get_attr targets)
+    blocks: tuple[str, ...]  # the block kind of each repeated block, in order
+    block_names: tuple[str, ...]
+    heads: int  # attention heads (0: no attention found)
+    sizes: dict[str, int]
+    kernels: str
+    model_flops: float  # forward + backward FLOPs of one step at ``sizes`` (no recomputation)
+    model_dtype: torch.dtype
+    _cache: dict[tuple, PartAtDegree] = field(default_factory=dict)
+
+    def part(self, name: str, degree: int, sp: bool) -> PartAtDegree:
+        key = (name, degree, sp and degree > 1)
+        if key not in self._cache:
+            self._cache[key] = _profile_part(
+                self.parts[name], self.owned[name], degree, key[2], self.sizes, self.kernels
+            )
+        return self._cache[key]
+
+    def shards(self, degree: int) -> bool:
+        """tp at this degree shards some weight of every block kind."""
+        return all(self.part(kind, degree, False).sharded for kind in dict.fromkeys(self.blocks))
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _signature(nodes: list[fx.Node]) -> tuple:
+    return tuple((str(n.target) if n.op == "call_function" else n.op, str(get_shape(n))) for n in nodes)
+
+
+def _heads(gm: fx.GraphModule) -> int:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "scaled_dot_product" in str(node.target):
+            q = get_shape(node.args[0]).tensors[0]
+            if len(q.sizes) >= 3:
+                return int(q.sizes[-3]) if q.sizes[-3].is_number else 0
+    return 0
+
+
+_CACHE: OrderedDict[tuple, ModelProfile] = OrderedDict()
+_CACHE_SIZE = 8  # profiles kept: a process compiles the same model for several plans (every rank, tests)
+
+
+def _graph_key(gm: fx.GraphModule) -> tuple:
+    """What a profile depends on: every node's op, target, arguments, layer, shape and, for a tensor it
+    reads, whether that tensor needs grad."""
+    key = []
+    for n in gm.graph.nodes:
+        grad = getattr(_attr(gm, n.target), "requires_grad", None) if n.op == "get_attr" else None
+        shape = str(get_shape(n)) if n.op != "output" else ""
+        layer = get_layer(n) if n.op != "output" else ""
+        key.append((n.op, str(n.target), str(n.args), str(n.kwargs), shape, layer, grad))
+    return tuple(key)
+
+
+def profile_graph(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flops: float) -> ModelProfile:
+    """Cut the analysed graph into its parts (nothing is profiled until a degree is asked for); the profile
+    of a graph profiled before (same nodes, shapes and sizes) is reused."""
+    key = (_graph_key(gm), tuple(sorted(sizes.items())), kernels, model_flops)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    profile = _profile(gm, sizes, kernels, model_flops)
+    _CACHE[key] = profile
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return profile
+
+
+def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flops: float) -> ModelProfile:
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr")]
+    layers = [get_layer(n) for n in nodes]
+    block_layers = list(dict.fromkeys(layer for layer in layers if _is_block(layer)))
+    computes = [i for i, n in enumerate(nodes) if n.op == "call_function" and _is_block(layers[i])]
+    first, last = (computes[0], computes[-1]) if computes else (len(nodes), len(nodes) - 1)
+    pre = [n for i, n in enumerate(nodes) if not _is_block(layers[i]) and i < first]
+    post = [n for i, n in enumerate(nodes) if not _is_block(layers[i]) and i >= first]
+    parts: dict[str, fx.GraphModule] = {}
+    owned: dict[str, frozenset[str]] = {}
+
+    taken: set[int] = set()  # parameters already owned (a tied weight belongs to the first part reading it)
+
+    def add(name: str, members: list[fx.Node]) -> None:
+        parts[name] = extract(gm, members)
+        mine = set()
+        for n in members:
+            if n.op == "get_attr":
+                key = id(_attr(gm, n.target))
+                if key not in taken:
+                    taken.add(key)
+                    mine.add(n.target)
+        owned[name] = frozenset(mine)
+
+    if pre:
+        add("pre", pre)
+    kinds: dict[tuple, str] = {}
+    blocks = []
+    for layer in block_layers:
+        members = [n for n, name in zip(nodes, layers) if name == layer]
+        signature = _signature(members)
+        if signature not in kinds:
+            kinds[signature] = f"block {len(kinds)}"
+            add(kinds[signature], members)
+        blocks.append(kinds[signature])
+    if post:
+        add("post", post)
+    dtype = next((get_shape(n).tensors[0].dtype for n in nodes if n.op == "get_attr" and get_shape(n).tensors),
+                 torch.float32)  # fmt: skip
+    return ModelProfile(
+        parts, owned, tuple(blocks), tuple(block_layers), _heads(gm), dict(sizes), kernels, model_flops, dtype
+    )

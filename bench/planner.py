@@ -1,0 +1,228 @@
+"""The planner against reality: predicted and measured step time and peak memory of 4 gloo ranks, after
+``Hardware.measure()`` calibrated those ranks; and the planning time of Llama-2-70B for 1024 ranks.
+
+    python bench/planner.py              # measured vs predicted table, then the 70B planning time
+    python bench/planner.py --only measured
+
+Every plan trains the same GPT (autoshard.demo.TinyGPT) on the same global batch; each is compiled with
+the measured Hardware, so ``program.plan_report.chosen`` is the cost model's prediction for exactly that
+plan. Measured: the median of warm steps (all ranks in step); peak memory: the tensors the rank holds
+before a step (parameters, gradients, optimizer state, masters) plus the profiler's allocation peak
+during one step (the CPU analog of ``torch.cuda.max_memory_allocated``), on the most loaded rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import autoshard
+from autoshard.demo import TinyGPT, next_token_loss
+from autoshard.launch import LocalRanks
+
+CFG = {"vocab": 2048, "dim": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16}
+PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
+    ("dp4", {"dp": 4}, {}),
+    ("dp4 zero1", {"dp": 4}, {"zero": 1}),
+    ("dp4 zero3", {"dp": 4}, {"zero": 3}),
+    ("dp4 full recompute", {"dp": 4}, {"recompute": "full"}),
+    ("tp4", {"tp": 4}, {}),
+    ("dp2 x tp2", {"dp": 2, "tp": 2}, {}),
+    ("pp4 gpipe", {"pp": 4}, {"schedule": "gpipe", "microbatches": 4}),
+    ("pp4 1f1b", {"pp": 4}, {"schedule": "1f1b", "microbatches": 8}),
+    ("dp2 x pp2", {"dp": 2, "pp": 2}, {"microbatches": 4}),
+]
+
+
+def _peak_during(step: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in changes:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def _held(program: Any) -> int:
+    """Bytes the program holds between steps (parameters, gradients, optimizer state and masters)."""
+    return sum(program.last_step_memory.values())
+
+
+def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    hardware = autoshard.Hardware.measure()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+    target = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+    rows = []
+    for name, mesh, plan in PLANS:
+        torch.manual_seed(0)
+        model = TinyGPT(CFG["vocab"], CFG["dim"], CFG["heads"], CFG["layers"], CFG["seq"])
+        program = autoshard.compile(
+            model, autoshard.Mesh(**mesh), (ids,), loss_fn=next_token_loss, example_target=target,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan, hardware=hardware,
+        )  # fmt: skip
+        x, y = program.local_batch(ids), program.local_batch(target)
+        for _ in range(2):
+            program.step(x, target=y)
+        times = []
+        for _ in range(steps):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            program.step(x, target=y)
+            times.append(time.perf_counter() - start)
+        held = _held(program)
+        peak = held + _peak_during(lambda p=program, x=x, y=y: p.step(x, target=y))
+        chosen = program.plan_report.chosen
+        rows.append({
+            "name": name, "plan": str(program.plan), "predicted": chosen.step_time,
+            "measured": statistics.median(times), "predicted_bytes": chosen.memory.total, "peak_bytes": peak,
+            "why": chosen.why, "time": str(chosen.time),
+        })  # fmt: skip
+    return rows
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        out = [0.0] * len(xs)
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def bench_measured(report: Any = None, steps: int = 5) -> dict[str, Any]:
+    with LocalRanks(4) as pool:
+        per_rank = pool.run(_measure_rank, steps)
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        row = dict(row)
+        row["measured"] = max(r[i]["measured"] for r in per_rank)
+        row["peak_bytes"] = max(r[i]["peak_bytes"] for r in per_rank)
+        rows.append(row)
+    print(f"\n| plan | predicted ms | measured ms | error | predicted MiB | peak MiB | error |\n|{'---|' * 7}")
+    for r in rows:
+        t_err = r["predicted"] / r["measured"] - 1
+        m_err = r["predicted_bytes"] / r["peak_bytes"] - 1
+        print(
+            f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | {t_err:+.0%} | "
+            f"{r['predicted_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | {m_err:+.0%} |"
+        )
+    rho = _spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
+    worst_time = max(abs(r["predicted"] / r["measured"] - 1) for r in rows)
+    worst_bytes = max(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) for r in rows)
+    print(f"\nSpearman {rho:.3f}; worst step-time error {worst_time:.0%}; worst peak-memory error {worst_bytes:.0%}")
+    if report is not None:
+        report(f"planner: predicted vs measured step time, {len(rows)} plans on 4 gloo ranks (Spearman)",
+               f"{rho:.3f}", "1.0 (same order)", rho, ">= 0.8")  # fmt: skip
+        report("planner: worst step-time error", f"{worst_time:.0%}", "measured", worst_time, "<= 0.25")
+        report("planner: worst peak-memory error", f"{worst_bytes:.0%}", "profiler peak", worst_bytes, "<= 0.15")
+    return {"rows": rows, "spearman": rho, "worst_time": worst_time, "worst_bytes": worst_bytes}
+
+
+def bench_plan_70b(report: Any = None) -> float:
+    """Capture, analysis and the full search for Llama-2-70B on 1024 ranks of H100 (meta device)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1024, 4096, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    plans = autoshard.plan(
+        model, 1024, (ids,), {"labels": ids, "use_cache": False},
+        hardware=autoshard.Hardware.preset("h100-80gb"), plan={"param_dtype": torch.bfloat16},
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(plans.table(5, 0))
+    print(f"Llama-2-70B, 1024 x H100: {plans.searched} plans costed, capture + analysis + plan {seconds:.1f} s")
+    if report is not None:
+        report(f"plan Llama-2-70B for 1024 ranks ({plans.searched} plans)", f"{seconds:.1f} s", "60 s budget",
+               seconds / 60, "< 1.0")  # fmt: skip
+    return seconds
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+# (SC'21, arXiv:2104.04473), Table 1: GPT models (vocabulary 51,200, sequence 2,048) on DGX A100 80GB
+# nodes (8 GPUs, NVLink; 8 x 200 Gb/s InfiniBand HDR per node), mixed precision, activation
+# recomputation; throughput per GPU including the recomputed forward.
+# (billions of parameters, heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP/s per GPU)
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+]
+
+
+def bench_published(report: Any = None) -> list[dict[str, Any]]:
+    """Predicted TFLOP/s per GPU of each published configuration against the published figure, and the
+    planner's own choice for the same GPUs and batch."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    a100 = autoshard.Hardware.preset("a100-80gb")
+    rows = []
+    print("\n| model | published plan | published TFLOP/s | predicted | error | planner's choice | predicted |")
+    print(f"|{'---|' * 7}")
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, published in MEGATRON:
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=51200,
+                                         n_positions=2048)  # fmt: skip
+        with torch.device("meta"):
+            model = transformers.GPT2LMHeadModel(config)
+        ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+        kwargs = {"labels": ids, "use_cache": False}
+        mesh = autoshard.Mesh(dp=gpus // (tp * pp), tp=tp, pp=pp)
+        fixed = {"recompute": "full", "param_dtype": torch.bfloat16}
+        theirs = autoshard.plan(model, mesh, (ids,), kwargs, hardware=a100, global_batch_size=batch, plan=fixed)
+        ours = autoshard.plan(model, gpus, (ids,), kwargs, hardware=a100, global_batch_size=batch,
+                              plan={"param_dtype": torch.bfloat16})  # fmt: skip
+        predicted = theirs.chosen.tflops_per_device
+        error = predicted / published - 1
+        rows.append({"model": f"{billions}B", "published": published, "predicted": predicted, "error": error,
+                     "theirs": theirs.chosen, "ours": ours.chosen})  # fmt: skip
+        print(f"| GPT {billions}B | {theirs.winner} | {published} | {predicted:.0f} | {error:+.0%} | {ours.winner} | "
+              f"{ours.chosen.tflops_per_device:.0f} TFLOP/s, {ours.chosen.step_time / theirs.chosen.step_time:.2f}x "
+              f"the published plan's step |")  # fmt: skip
+    worst = max(abs(r["error"]) for r in rows)
+    slower = max(r["ours"].step_time / r["theirs"].step_time for r in rows)
+    print(f"\nworst TFLOP/s error {worst:.0%}; the planner's choice at most {slower:.2f}x the published plan's step")
+    if report is not None:
+        report("planner: Megatron-LM's published A100 runs, worst TFLOP/s/GPU error", f"{worst:.0%}",
+               "published (Narayanan et al. 2021, Table 1)", worst, "<= 0.20")  # fmt: skip
+        report("planner: its choice's predicted step vs the published plan's", f"{slower:.2f}x", "published plan",
+               slower, "<= 1.0")  # fmt: skip
+    return rows
+
+
+BENCHMARKS = {"measured": bench_measured, "published": bench_published, "plan_70b": bench_plan_70b}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append")
+    args = parser.parse_args()
+    for name in args.only or list(BENCHMARKS):
+        BENCHMARKS[name]()
+
+
+if __name__ == "__main__":
+    main()
