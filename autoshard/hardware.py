@@ -72,6 +72,9 @@ class Hardware:
     overlap: float = 1.0  # share of an asynchronous collective that hides behind concurrent compute
     blocking: tuple[str, ...] = ()  # collectives the runtime issues synchronously here (they never overlap)
     kernels: str = "cuda"  # whose kernels run, "cuda" or "cpu" (what autograd keeps differs: passes.saved_tensors)
+    # Ranks of a node that share processors (CPU ranks): as many ranks as this compute at full speed at
+    # once, more share it; 0 when each rank has its own device.
+    shared_cores: float = 0.0
     collectives: tuple[CollectiveFit, ...] = field(default=())
     source: str = ""  # where the figures come from
 
@@ -106,6 +109,10 @@ class Hardware:
     def matmul_seconds(self, flops: float, dims: tuple[float, ...], nbytes: float, dtype: Any = None) -> float:
         compute = flops / (self.peak(dtype) * self.efficiency(*dims)) if flops else 0.0
         return self.op_overhead + max(compute, nbytes / self.memory_bandwidth)
+
+    def sharing(self, computing: float) -> float:
+        """How much slower a rank computes while ``computing`` ranks of its node compute at once."""
+        return max(1.0, computing / self.shared_cores) if self.shared_cores else 1.0
 
     def memory_seconds(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.op_overhead + nbytes / self.memory_bandwidth

@@ -26,7 +26,7 @@ from autoshard.hardware import Hardware
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
-from autoshard.schedules import Schedule, build_schedule
+from autoshard.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 
 __all__ = ["Costing"]
 
@@ -71,13 +71,21 @@ class Costing:
         return tp == 1 or self.profile.shards(tp)
 
     # ---- one plan ------------------------------------------------------------------------------
-    def candidate(self, plan: Plan) -> Candidate:
+    def candidate(self, plan: Plan, with_timeline: bool = True) -> Candidate:
+        """What the cost model predicts for ``plan`` (``with_timeline``: each pipeline rank's actions too)."""
         hw = self.hardware
         rows = self.sizes.get("B", 1)
         local = max(1, rows // plan.dp)
         micro = max(1, local // plan.microbatches)
-        stages = self._stages(plan, micro)
         schedule = self._schedule(plan)
+        node = min(plan.mesh.size, hw.devices_per_node)  # ranks of one node
+        stages = self._stages(plan, micro, hw.sharing(node))
+        if schedule is not None and hw.shared_cores:
+            # Ranks that share cores compute faster while others wait: rescale by how many compute at once.
+            for _ in range(2):
+                makespan, busy, _ = _simulate(schedule, tuple(stages))
+                computing = node / plan.pp * sum(busy) / makespan
+                stages = self._stages(plan, micro, hw.sharing(computing))
         if schedule is None:
             stage = stages[0]
             compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm)
@@ -85,8 +93,10 @@ class Costing:
             in_flight = [1]
             timeline: tuple = ()
         else:
-            makespan, busy, timeline = _simulate(schedule, tuple(stages))
-            no_send, _, _ = _simulate(schedule, tuple(_without_sends(s) for s in stages))
+            makespan, busy, timeline = _simulate(schedule, tuple(stages), timeline=with_timeline)
+            # The sends' share of the idle time (a second simulation without them) only for the plans kept:
+            # the search ranks by the step, which it does not change.
+            no_send = _simulate(schedule, tuple(_without_sends(s) for s in stages))[0] if with_timeline else makespan
             per_rank_tp = [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
@@ -96,7 +106,7 @@ class Costing:
             pp_comm = max(0.0, makespan - no_send)
             bubble = max(0.0, makespan - busy[slowest] - pp_comm)
             window = max(s.backward for s in stages)
-            in_flight = schedule.peak_in_flight()
+            in_flight = list(_table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute)
         time = StepTime(
@@ -156,7 +166,8 @@ class Costing:
     def _part(self, name: str, plan: Plan) -> PartAtDegree:
         return self.profile.part(name, plan.tp, plan.sequence_parallel)
 
-    def _stages(self, plan: Plan, micro: int) -> list[_Stage]:
+    def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> list[_Stage]:
+        """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
         hw, sizes, dtype = self.hardware, {**self.sizes, "B": micro}, self._dtype(plan)
         out = []
         cut_names = self._parts_per_stage(plan, micro)
@@ -165,22 +176,29 @@ class Costing:
             f = b = r = tp = 0.0
             params = elements = largest = 0
             kept = transient = boundary = 0.0
+            runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
-                part = self._part(name, plan)
                 layer = next(block_iter) if name.startswith("block") else name
-                choice = _choice(plan.recompute, layer)
+                key = (name, _choice(plan.recompute, layer))
+                runs[key] = runs.get(key, 0) + 1
+            for (name, choice), count in runs.items():
+                part = self._part(name, plan)
                 times = part.times(sizes, hw, dtype)
-                f += times.forward + times.tp_forward
-                again = times.recompute(part, choice) if choice != "none" else 0.0
-                b += times.backward + times.tp_backward + again
-                r += again
-                tp += times.tp_forward + times.tp_backward
-                params += part.param_bytes
-                elements += part.param_elements
+                again = slowdown * times.recompute(part, choice) if choice != "none" else 0.0
+                f += count * (slowdown * times.forward + times.tp_forward)
+                b += count * (slowdown * times.backward + times.tp_backward + again)
+                r += count * again
+                tp += count * (times.tp_forward + times.tp_backward)
+                params += count * part.param_bytes
+                elements += count * part.param_elements
                 largest = max(largest, part.largest_param_bytes)
-                k, tr, boundary = part.at(choice, sizes)
-                kept += k
+                k, tr, _ = part.at(choice, sizes)
+                kept += count * k
                 transient = max(transient, tr)
+            if names:  # what the stage's last part hands on
+                last = names[-1]
+                layer = self.profile.block_names[-1] if last.startswith("block") else last
+                boundary = self._part(last, plan).at(_choice(plan.recompute, layer), sizes)[2]
             send = 0.0
             if plan.pp > 1 and names:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
@@ -257,9 +275,9 @@ class Costing:
             flight = in_flight[rank] if plan.pp > 1 else 1
             kept = flight * sum(s.kept for s in group) / len(group)
             activations = kept + max(s.transient for s in group)
-            buffers = 0
-            if plan.dp > 1 and plan.zero < 3:
-                buffers = 2 * min(int(plan.bucket_bytes), grads)
+            buffers = 0  # gradients are views of their buckets; a reduce_dtype copies one bucket at a time
+            if plan.dp > 1 and plan.reduce_dtype is not None:
+                buffers = min(int(plan.bucket_bytes), elements * _itemsize(plan.reduce_dtype))
             memory = Memory(
                 weights=int(weights), gradients=int(grads), optimizer=int(optimizer), masters=int(masters),
                 activations=int(activations), gathered=int(gathered), buffers=int(buffers),
@@ -313,7 +331,38 @@ def _without_sends(s: _Stage) -> _Stage:
 
 @functools.lru_cache(maxsize=512)
 def _built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
-    return build_schedule(name, pp, microbatches, virtual_stages)
+    """A named schedule (built by its constructor, which is right by construction: compile validates the
+    chosen one again)."""
+    if name == "gpipe":
+        return gpipe(pp, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(pp, microbatches)
+    return interleaved_1f1b(pp, microbatches, virtual_stages)
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A schedule as integers, to simulate fast: per rank its actions as (index, stage, forward, index of the
+    action it receives from or -1, the stage whose boundary the transfer crosses or -1)."""
+
+    ranks: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
+    labels: tuple[str, ...]
+    in_flight: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _table(schedule: Schedule) -> _Table:
+    index = {a: i for i, a in enumerate(a for actions in schedule.ranks for a in actions)}
+    rows = []
+    for rank, actions in enumerate(schedule.ranks):
+        row = []
+        for action in actions:
+            need = action.needs(schedule.n_stages)
+            remote = need is not None and schedule.rank_of(need.stage) != rank
+            link = min(action.stage, need.stage) if remote else -1
+            row.append((index[action], action.stage, action.kind == "F", index[need] if need else -1, link))
+        rows.append(tuple(row))
+    return _Table(tuple(rows), tuple(str(a) for a in index), tuple(schedule.peak_in_flight()))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -347,42 +396,44 @@ def _balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
     return [*starts, count]
 
 
-@functools.lru_cache(maxsize=65536)
-def _simulate(schedule: Schedule, stages: tuple[_Stage, ...]) -> tuple[float, list[float], tuple]:
-    """Run the schedule's action table with each stage's costs; (makespan, busy seconds per rank, timeline)."""
-    n_stages = schedule.n_stages
-    finish: dict[Any, float] = {}
-    free = [0.0] * schedule.pp
-    cursor = [0] * schedule.pp
-    busy = [0.0] * schedule.pp
-    rows: list[list[tuple[str, float, float]]] = [[] for _ in range(schedule.pp)]
-    total = sum(len(r) for r in schedule.ranks)
-    done = 0
-    while done < total:
+@functools.lru_cache(maxsize=8192)  # plans that differ only in ZeRO stage or offload share their stages
+def _simulate(
+    schedule: Schedule, stages: tuple[_Stage, ...], timeline: bool = False
+) -> tuple[float, list[float], tuple]:
+    """Run the schedule's action table with each stage's costs: (makespan, busy seconds per rank, and with
+    ``timeline`` per rank its (action, start, end))."""
+    table = _table(schedule)
+    forward = [s.forward for s in stages]
+    backward = [s.backward for s in stages]
+    send = [s.send for s in stages]
+    finish = [-1.0] * len(table.labels)
+    pp = len(table.ranks)
+    free, busy, cursor = [0.0] * pp, [0.0] * pp, [0] * pp
+    rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
+    remaining = sum(len(r) for r in table.ranks)
+    while remaining:
         progressed = False
-        for rank, actions in enumerate(schedule.ranks):
-            while cursor[rank] < len(actions):
-                action = actions[cursor[rank]]
-                need = action.needs(n_stages)
-                if need is not None and need not in finish:
-                    break
-                stage = stages[action.stage]
+        for rank in range(pp):
+            actions, c = table.ranks[rank], cursor[rank]
+            while c < len(actions):
+                index, stage, is_forward, need, link = actions[c]
                 ready = 0.0
-                if need is not None:
-                    ready = finish[need]
-                    if schedule.rank_of(need.stage) != rank:
-                        sender = stages[need.stage] if action.kind == "F" else stage
-                        ready += sender.send
-                duration = stage.forward if action.kind == "F" else stage.backward
-                start = max(free[rank], ready)
-                free[rank] = finish[action] = start + duration
+                if need >= 0:
+                    if finish[need] < 0:
+                        break
+                    ready = finish[need] + (send[link] if link >= 0 else 0.0)
+                duration = forward[stage] if is_forward else backward[stage]
+                start = free[rank] if free[rank] > ready else ready
+                free[rank] = finish[index] = start + duration
                 busy[rank] += duration
-                rows[rank].append((str(action), start, start + duration))
-                cursor[rank] += 1
-                done += 1
+                if timeline:
+                    rows[rank].append((table.labels[index], start, start + duration))
+                c += 1
+                remaining -= 1
                 progressed = True
+            cursor[rank] = c
         if not progressed:
-            break  # the schedule was validated when built; a custom one that deadlocks fails at compile
+            break  # a custom schedule that deadlocks: compile names the rule it breaks
     return max(free), busy, tuple(tuple(r) for r in rows)
 
 

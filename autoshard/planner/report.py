@@ -34,7 +34,7 @@ class Memory:
     masters: int = 0  # fp32 master copies kept apart from lower-precision parameters
     activations: int = 0  # what autograd keeps, for every microbatch in flight, plus a recomputed region's
     gathered: int = 0  # ZeRO-3 parameters gathered at once (a layer and the prefetched next one)
-    buffers: int = 0  # communication buffers (gradient buckets being reduced, pipeline transfers)
+    buffers: int = 0  # communication buffers (a bucket converted to reduce_dtype for its reduction)
 
     @property
     def total(self) -> int:

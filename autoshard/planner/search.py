@@ -177,7 +177,7 @@ def choose_plan(
                 break
             continue
         searched += 1
-        candidate = costing.candidate(plan)
+        candidate = costing.candidate(plan, with_timeline=False)
         if fixed_mesh:
             everything.append(candidate)
         key = (plan.dp, plan.tp, plan.pp, plan.zero)
@@ -195,6 +195,7 @@ def choose_plan(
             ranked = [fitting[0], *(c for c in ranked if c is not fitting[0])]
     else:
         ranked = _prefer_simpler(ranked)
+    ranked = [costing.candidate(c.plan) for c in ranked]  # the ones kept, now with their pipeline timelines
     winner = ranked[0]
     if not winner.fits and not fixed_mesh:
         raise PlanError(_no_fit_message(world_or_mesh, winner, hardware))
