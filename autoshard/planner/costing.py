@@ -61,7 +61,6 @@ class Costing:
         scale = sizes.get("B", 1) / max(1, profile.sizes.get("B", 1))
         self.model_flops = profile.model_flops * scale  # at the planning batch
 
-    # ---- constraints ---------------------------------------------------------------------------
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
         """pp at most the blocks; tp dividing the heads and sharding every kind of block."""
         if pp > max(1, self.blocks):
