@@ -29,9 +29,19 @@ import torch
 
 from autoshard.errors import InputError
 
-__all__ = ["COLLECTIVES", "CollectiveFit", "Hardware"]
+__all__ = ["COLLECTIVES", "CollectiveFit", "Hardware", "ring_factors"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def ring_factors(op: str, n: int) -> tuple[float, int]:
+    """(share of the tensor each rank moves, ring steps) of ``op`` over ``n`` ranks (NCCL-tests' bus factors)."""
+    return {
+        "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
+        "all_gather": ((n - 1) / n, n - 1),
+        "reduce_scatter": ((n - 1) / n, n - 1),
+        "send_recv": (1.0, 1),
+    }[op]
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str:
@@ -140,12 +150,7 @@ class Hardware:
             return 0.0
         scope = self.scope(span or n)
         bandwidth, latency = self.link(op, n, scope)
-        factor, steps = {
-            "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
-            "all_gather": ((n - 1) / n, n - 1),
-            "reduce_scatter": ((n - 1) / n, n - 1),
-            "send_recv": (1.0, 1),
-        }[op]
+        factor, steps = ring_factors(op, n)
         ring = steps * latency + factor * nbytes / bandwidth
         if op == "all_reduce" and not self._measured(op, scope):
             # NCCL takes a tree when it is faster (small messages): 2 log2(n) hops at half the bus bandwidth.

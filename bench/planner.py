@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import torch
+from run import _peak_allocated  # the CPU analog of torch.cuda.max_memory_allocated, as the ZeRO benchmarks use
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
@@ -36,20 +37,6 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
     ("pp4 1f1b", {"pp": 4}, {"schedule": "1f1b", "microbatches": 8}),
     ("dp2 x pp2", {"dp": 2, "pp": 2}, {"microbatches": 4}),
 ]
-
-
-def _peak_during(step: Any) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = prof.profiler.kineto_results.events()
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in changes:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
 
 
 def _held(program: Any) -> int:
@@ -81,7 +68,7 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
             program.step(x, target=y)
             times.append(time.perf_counter() - start)
         held = _held(program)
-        peak = held + _peak_during(lambda p=program, x=x, y=y: p.step(x, target=y))
+        peak = held + _peak_allocated(lambda p=program, x=x, y=y: p.step(x, target=y))
         chosen = program.plan_report.chosen
         rows.append({
             "name": name, "plan": str(program.plan), "predicted": chosen.step_time,

@@ -15,6 +15,7 @@ layers, and the buckets being reduced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +96,9 @@ class Costing:
             makespan, busy, timeline = _simulate(schedule, tuple(stages), timeline=with_timeline)
             # The sends' share of the idle time (a second simulation without them) only for the plans kept:
             # the search ranks by the step, which it does not change.
-            no_send = _simulate(schedule, tuple(_without_sends(s) for s in stages))[0] if with_timeline else makespan
+            no_send = makespan
+            if with_timeline:
+                no_send = _simulate(schedule, tuple(dataclasses.replace(s, send=0.0) for s in stages))[0]
             per_rank_tp = [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
@@ -321,11 +324,6 @@ def _exposed(hw: Hardware, op: str, seconds: float, window: float, nbytes: float
 
 def _by_rank(stages: list[_Stage], pp: int) -> list[list[_Stage]]:
     return [stages[r::pp] for r in range(pp)]
-
-
-def _without_sends(s: _Stage) -> _Stage:
-    return _Stage(s.forward, s.backward, s.recompute, s.tp_comm, 0.0, s.params, s.elements, s.largest, s.kept,
-                  s.transient)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)

@@ -59,7 +59,7 @@ def extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
     graph.output(tuple(outputs))
     # The part reads meta stand-ins of the model's tensors: it is only analysed, and a profile kept for
     # later compiles must not keep the model's memory alive.
-    attrs = {n.target: _on_meta(_attr(gm, n.target)) for n in graph.nodes if n.op == "get_attr"}
+    attrs = {n.target: _on_meta(operator.attrgetter(n.target)(gm)) for n in graph.nodes if n.op == "get_attr"}
     return fx.GraphModule(attrs, graph)
 
 
@@ -336,13 +336,6 @@ class ModelProfile:
         return all(self.part(kind, degree, False).sharded for kind in dict.fromkeys(self.blocks))
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
 def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple((str(n.target) if n.op == "call_function" else n.op, str(get_shape(n))) for n in nodes)
 
@@ -365,7 +358,7 @@ def _graph_key(gm: fx.GraphModule) -> tuple:
     reads, whether that tensor needs grad."""
     key = []
     for n in gm.graph.nodes:
-        grad = getattr(_attr(gm, n.target), "requires_grad", None) if n.op == "get_attr" else None
+        grad = getattr(operator.attrgetter(n.target)(gm), "requires_grad", None) if n.op == "get_attr" else None
         shape = str(get_shape(n)) if n.op != "output" else ""
         layer = get_layer(n) if n.op != "output" else ""
         key.append((n.op, str(n.target), str(n.args), str(n.kwargs), shape, layer, grad))
@@ -404,7 +397,7 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
         mine = set()
         for n in members:
             if n.op == "get_attr":
-                key = id(_attr(gm, n.target))
+                key = id(operator.attrgetter(n.target)(gm))
                 if key not in taken:
                     taken.add(key)
                     mine.add(n.target)

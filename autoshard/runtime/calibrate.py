@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoshard.hardware import PRESETS, CollectiveFit, Hardware
+from autoshard.hardware import PRESETS, CollectiveFit, Hardware, ring_factors
 from autoshard.runtime.comm import CommCounter
 
 __all__ = ["measure"]
@@ -146,12 +146,7 @@ def _workload(device: torch.device, hardware: Hardware) -> tuple[float, float, f
 
 def _fit(op: str, n: int, small: float, large: float) -> tuple[float, float]:
     """(bus bandwidth, latency per step) through the two timings, in the ring model Hardware uses."""
-    factor, steps = {
-        "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
-        "all_gather": ((n - 1) / n, n - 1),
-        "reduce_scatter": ((n - 1) / n, n - 1),
-        "send_recv": (1.0, 1),
-    }[op]
+    factor, steps = ring_factors(op, n)
     bandwidth = factor * (_LARGE - _SMALL) / max(large - small, 1e-9)
     latency = max(0.0, small - factor * _SMALL / bandwidth) / steps
     return bandwidth, latency
