@@ -123,7 +123,7 @@ def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512)
     results = {choice: {"kept": _kept(run), "predicted": run["predicted"]} for choice, run in runs.items()}
     seconds = _step_times(runs)
     # Without dropout as well: a CPU draws masks slowly (a serial generator; about 40% of this forward at
-    # dropout 0.1), and a replayed forward draws them again, which a GPU's generator does nearly for free.
+    # dropout 0.1), and a replayed forward draws them again (on a GPU one parallel kernel draws a mask).
     plain = _step_times({choice: _build(choice, batch, seq, layers, width, heads, dropout=0.0) for choice in CHOICES})
     described = f"GPT-2-style, {layers} blocks, width {width}, {heads} heads, eager attention, {batch}x{seq}"
     name = f"{described}, dropout 0.1"
