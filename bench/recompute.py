@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from allocations import allocation_trace
 
 import autoshard
 from autoshard.hardware import Hardware
@@ -36,20 +37,6 @@ def _gpt(
     return transformers.GPT2LMHeadModel(cfg).to(dtype)
 
 
-def _net_and_peak(fn: Callable[[], Any]) -> tuple[Any, int, int]:
-    """fn's result, the bytes it left allocated, and the peak above the start while it ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return result, current, peak
-
-
 def _build(
     choice: str, batch: int, seq: int, layers: int, width: int, heads: int, dropout: float = 0.1
 ) -> dict[str, Any]:
@@ -68,7 +55,7 @@ def _build(
 def _kept(run: dict[str, Any]) -> int:
     """Bytes one forward leaves allocated beyond its outputs (then its backward runs, freeing them)."""
     gm, ids = run["gm"], run["ids"]
-    outputs, net, _ = _net_and_peak(lambda: gm(ids, ids))
+    outputs, net, _ = allocation_trace(lambda: gm(ids, ids))
     kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
     outputs[0].backward()
     return kept

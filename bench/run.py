@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from allocations import allocation_trace
 from autoshard.passes import tp_rewrite
 from checkpoint import bench_checkpoint
 from recompute import bench_recompute
@@ -230,23 +231,9 @@ def _status_bytes(field: str) -> int:
 
 
 def _peak_allocated(step: Any) -> int:
-    """Peak bytes of tensors allocated during one call of ``step`` above what was allocated before it.
-
-    The CPU analog of torch.cuda.max_memory_allocated (after reset_peak_memory_stats): it follows the
-    profiler's allocation events. Buffers that gloo allocates outside torch are not tensors and not
-    counted here, as NCCL's own buffers are not on a GPU; RSS (below) counts them.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = prof.profiler.kineto_results.events()
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in changes:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
+    """Peak bytes of tensors allocated during one call of ``step`` above what was allocated before it
+    (bench/allocations.py; RSS, below, counts gloo's own buffers too)."""
+    return allocation_trace(step)[2]
 
 
 def _reset_peak_rss() -> int:
