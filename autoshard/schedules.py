@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from autoshard.errors import PlanError
 
@@ -70,6 +71,18 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
+
+    def __hash__(self) -> int:
+        # Schedules key the planner's simulation caches; rehashing thousands of actions on every lookup
+        # was a third of a 1024-rank search. Kept per process only (string hashes differ between processes).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.pp, self.microbatches, self.virtual_stages, self.ranks))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in actions) for r, actions in enumerate(self.ranks))
