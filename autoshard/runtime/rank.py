@@ -43,10 +43,27 @@ from autoshard.runtime.tp import TensorParallel
 from autoshard.runtime.tracing import span
 from autoshard.runtime.zero import Zero3Holder
 
-__all__ = ["RankRuntime", "make_group"]
+__all__ = ["RankRuntime", "make_group", "shared_group"]
 
 MODEL_PREFIX = "model."
 TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
+
+
+_groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
+
+
+def shared_group(ranks: Any, timeout: timedelta) -> Any:
+    """The process group over ``ranks``, one per process for each ranks and timeout: every program of the
+    process reuses it. Each group holds its own connections and creating one gets slower as groups pile
+    up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
+    Every rank creates every group, in the same order, so every rank hits or misses alike; a new default
+    group (after destroy_process_group) starts afresh."""
+    world = dist.distributed_c10d._get_default_group()
+    key = (tuple(ranks), timeout)
+    made = _groups.get(key)
+    if made is None or made[0] is not world:
+        made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
+    return made[1]
 
 
 def make_group(mesh: Any, rank: int, dim: str, timeout: timedelta, world: Any) -> dist.ProcessGroup | None:
@@ -55,7 +72,7 @@ def make_group(mesh: Any, rank: int, dim: str, timeout: timedelta, world: Any) -
         return world
     mine = None
     for ranks in mesh.groups(dim):
-        group = dist.new_group(ranks, timeout=timeout)
+        group = shared_group(ranks, timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -97,7 +114,7 @@ class RankRuntime:
         distributed = dist.is_initialized()
         # 1. process groups, every one with the compile-time timeout
         timeout = timedelta(seconds=compiled.timeout)
-        self.world_group = dist.new_group(list(range(mesh.size)), timeout=timeout) if distributed else None
+        self.world_group = shared_group(range(mesh.size), timeout) if distributed else None
         groups = (timeout, self.world_group)
         self.dp_group = make_group(mesh, self.rank, "dp", *groups) if distributed else None
         comm.group = self.dp_group
@@ -110,7 +127,7 @@ class RankRuntime:
             for dp in range(mesh.dp):
                 for tp in range(mesh.tp):
                     ranks = [mesh.rank_of(pp=r, dp=dp, tp=tp) for r in pp_ranks]
-                    group = dist.new_group(ranks, timeout=timeout)
+                    group = shared_group(ranks, timeout)
                     if self.rank in ranks:
                         self.ties[pp_ranks] = group
         # 2. tensor parallelism
