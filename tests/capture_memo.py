@@ -1,0 +1,92 @@
+"""Capture each suite model once per process: a test-suite speedup, not a library feature.
+
+torch.export (B and S symbolic) is ~85% of compiling the suite's two-layer models, and the suite
+compiles the same few architectures hundreds of times on every rank. A model built by
+``cases.build_model`` carries its build arguments; when another model of the same build, state
+layout, configuration, example shapes and loss is captured in the same process, the earlier graph is deep-copied and
+its parameters and buffers are rebound to the new model's, which is what a fresh capture returns
+(parameter values never enter the graph; they stay attributes under ``model.``). Models not built by
+``build_model`` (and every first capture) go through torch.export as users' models do; tests of
+capture itself set ``capture_memo.enabled = False``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import autoshard.compiler
+from autoshard.capture import Captured, capture
+
+BUILD_KEY = "_suite_build_key"  # set on the models cases.build_model returns
+enabled = True
+_memo: dict[tuple, Captured] = {}
+
+
+def _signature(value: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(value)
+    out = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append((tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+        else:
+            out.append(repr(leaf))
+    return tuple(out)
+
+
+def _key(model: nn.Module, *examples: Any) -> tuple | None:
+    build = getattr(model, BUILD_KEY, None)
+    if not enabled or build is None:
+        return None
+    state = tuple(
+        (name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad, isinstance(t, nn.Parameter))
+        for name, t in model.state_dict(keep_vars=True).items()
+    )
+    config = (
+        model.config.to_json_string() if hasattr(model, "config") and hasattr(model.config, "to_json_string") else ""
+    )
+    return (
+        build,
+        type(model),
+        repr(model),
+        config,
+        state,
+        _signature(examples[:2]),
+        examples[2],
+        _signature(examples[3]),
+    )
+
+
+def _rebound(captured: Captured, model: nn.Module) -> Captured:
+    gm = copy.deepcopy(captured.gm)
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        owner, _, leaf = f"model.{name}".rpartition(".")
+        module = gm.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = tensor
+        elif leaf in module._buffers:
+            module._buffers[leaf] = tensor
+        else:
+            raise AssertionError(f"the memoized graph has no attribute model.{name}")
+    return dataclasses.replace(captured, gm=gm, seconds=0.0)
+
+
+def memoized_capture(
+    model: nn.Module, example_inputs: Any, example_kwargs: Any = None, loss_fn: Any = None, example_target: Any = None
+) -> Captured:
+    key = _key(model, example_inputs, example_kwargs, loss_fn, example_target)
+    if key is not None and key in _memo:
+        return _rebound(_memo[key], model)
+    captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
+    if key is not None:
+        _memo[key] = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))  # compile's passes annotate its own
+    return captured
+
+
+def install() -> None:
+    autoshard.compiler.capture = memoized_capture
