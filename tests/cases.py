@@ -594,3 +594,16 @@ def dp_reductions_per_step(
         losses.extend(train_local_batches(program, Case(case.model, [batch], case.loss_fn), [])[0])
         per_step.append({g: launched.count(g) for g in sorted(set(launched))})
     return {"losses": losses, "state": program.full_state_dict(), "launches": per_step, "groups": len(holder.order)}
+
+
+def groups_after_compiles(rank: int, world_size: int, mesh: dict[str, int], compiles: int) -> list[int]:
+    """How many process groups this process holds after each of ``compiles`` compiles of one plan."""
+    import torch.distributed as dist
+
+    counts = []
+    for _ in range(compiles):
+        case = build_case("gpt2", steps=1)
+        program = compile_case(case, autoshard.Mesh(**mesh))
+        train_local_batches(program, case)
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from cases import device_mesh_probe, error_message, overlap_probe, state_roundtrip
+from cases import device_mesh_probe, error_message, groups_after_compiles, overlap_probe, state_roundtrip
 
 
 @pytest.mark.parametrize("family", ["mlp", "gpt2"])
@@ -17,6 +17,13 @@ def test_buckets_are_reduced_while_backward_runs(ranks, family: str) -> None:
         assert seen["launched_during_backward"] == seen["buckets"]
         # Plain data parallel all-reduces each gradient byte once per step (ring cost 2 psi).
         assert seen["bytes_reduced"] == seen["param_bytes"]
+
+
+def test_programs_of_one_process_share_their_process_groups(ranks) -> None:
+    # Groups are never destroyed while the process lives: a new set per compile would pile up.
+    for counts in ranks(4).run(groups_after_compiles, {"dp": 2, "tp": 2}, 3):
+        assert counts[0] > 1
+        assert counts == [counts[0]] * 3
 
 
 def test_mesh_that_does_not_match_the_world_size(ranks) -> None:
