@@ -427,4 +427,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "zero_formulas",
     },
+    {
+        "name": "56_every_program_makes_new_process_groups",
+        "file": "autoshard/runtime/rank.py",
+        "why": "every compile creates new process groups that are never destroyed: a long-lived process leaks them",
+        "tests": ["tests/test_dp_runtime.py"],
+        "k": "share_their_process_groups",
+    },
 ]
