@@ -58,7 +58,7 @@ def shared_group(ranks: Any, timeout: timedelta) -> Any:
     up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
     Every rank creates every group, in the same order, so every rank hits or misses alike; a new default
     group (after destroy_process_group) starts afresh."""
-    world = dist.distributed_c10d._get_default_group()
+    world = dist.group.WORLD
     key = (tuple(ranks), timeout)
     made = _groups.get(key)
     if made is None or made[0] is not world:
