@@ -2,12 +2,12 @@
 
 torch.export (B and S symbolic) is ~85% of compiling the suite's two-layer models, and the suite
 compiles the same few architectures hundreds of times on every rank. A model built by
-``cases.build_model`` carries its build arguments; when another model of the same build, state
-layout, configuration, example shapes and loss is captured in the same process, the earlier graph is deep-copied and
-its parameters and buffers are rebound to the new model's, which is what a fresh capture returns
-(parameter values never enter the graph; they stay attributes under ``model.``). Models not built by
-``build_model`` (and every first capture) go through torch.export as users' models do; tests of
-capture itself set ``capture_memo.enabled = False``.
+``cases.build_model`` carries its build arguments. When another model of the same build (class, repr,
+configuration, state layout), example shapes and loss is captured in the same process, the first graph
+is deep-copied and its parameters and buffers are rebound to the new model's tensors, which is what a
+fresh capture returns: parameter values never enter the graph, they stay attributes under ``model.``.
+Models not built by ``build_model``, and each build's first capture in a process, go through
+torch.export as users' models do.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import autoshard.compiler
 from autoshard.capture import Captured, capture
 
 BUILD_KEY = "_suite_build_key"  # set on the models cases.build_model returns
-enabled = True
 _memo: dict[tuple, Captured] = {}
 
 
@@ -41,7 +40,7 @@ def _signature(value: Any) -> tuple:
 
 def _key(model: nn.Module, *examples: Any) -> tuple | None:
     build = getattr(model, BUILD_KEY, None)
-    if not enabled or build is None:
+    if build is None:
         return None
     state = tuple(
         (name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad, isinstance(t, nn.Parameter))
