@@ -223,29 +223,43 @@ GB = 1e9
 # memory bandwidth, NCCL's bus bandwidth about 80% of NVLink's one-way rate; the host optimizer step of
 # offload is a memory-bound pass over the state at a server's ~100 GB/s. "cpu" is one core of an AVX-512
 # server (two 16-lane FMA units at 2.5 GHz: 160 GFLOP/s FP32) with loopback links; measure() replaces it.
+
+
+def _dgx_gpu(
+    name: str,
+    memory_bytes: int,
+    peak_flops: dict[str, float],
+    matmul_efficiency: float,
+    matmul_half_dim: float,
+    hbm: float,
+    nvlink: float,
+    nic: float,
+    pcie: float,
+    source: str,
+) -> Hardware:
+    """One GPU of an 8-GPU DGX node from data-sheet figures in GB/s (HBM; NVLink and PCIe one way; the
+    node's InfiniBand per GPU) and the shares of them that kernels reach (above)."""
+    return Hardware(
+        name=name, devices_per_node=8, memory_bytes=memory_bytes, peak_flops=peak_flops,
+        matmul_efficiency=matmul_efficiency, matmul_half_dim=matmul_half_dim, memory_bandwidth=0.8 * hbm * GB,
+        op_overhead=4e-6, intra_bandwidth=0.8 * nvlink * GB, intra_latency=5e-6, inter_bandwidth=0.9 * nic * GB,
+        inter_latency=10e-6, host_bandwidth=0.8 * pcie * GB, host_memory_bandwidth=100 * GB, overlap=0.9,
+        kernels="cuda", source=source,
+    )  # fmt: skip
+
+
+_H100 = _dgx_gpu(
+    "H100 80GB SXM", 80 * 2**30, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 0.75, 64.0,
+    hbm=3350, nvlink=450, nic=50, pcie=64, source="NVIDIA H100 data sheet; DGX H100 (8 x NDR 400 Gb/s per node)",
+)  # fmt: skip
 PRESETS = {
-    "a100-80gb": Hardware(
-        name="A100 80GB SXM", devices_per_node=8, memory_bytes=80 * 2**30,
-        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-        matmul_efficiency=0.80, matmul_half_dim=48.0, memory_bandwidth=0.8 * 2039 * GB, op_overhead=4e-6,
-        intra_bandwidth=0.8 * 300 * GB, intra_latency=5e-6, inter_bandwidth=0.9 * 25 * GB, inter_latency=10e-6,
-        host_bandwidth=0.8 * 32 * GB, host_memory_bandwidth=100 * GB, overlap=0.9, kernels="cuda",
-        source="NVIDIA A100 data sheet; DGX A100 (8 x HDR 200 Gb/s per node)",
+    "a100-80gb": _dgx_gpu(
+        "A100 80GB SXM", 80 * 2**30, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 0.80, 48.0,
+        hbm=2039, nvlink=300, nic=25, pcie=32, source="NVIDIA A100 data sheet; DGX A100 (8 x HDR 200 Gb/s per node)",
     ),
-    "h100-80gb": Hardware(
-        name="H100 80GB SXM", devices_per_node=8, memory_bytes=80 * 2**30,
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-        matmul_efficiency=0.75, matmul_half_dim=64.0, memory_bandwidth=0.8 * 3350 * GB, op_overhead=4e-6,
-        intra_bandwidth=0.8 * 450 * GB, intra_latency=5e-6, inter_bandwidth=0.9 * 50 * GB, inter_latency=10e-6,
-        host_bandwidth=0.8 * 64 * GB, host_memory_bandwidth=100 * GB, overlap=0.9, kernels="cuda",
-        source="NVIDIA H100 data sheet; DGX H100 (8 x NDR 400 Gb/s per node)",
-    ),
-    "h200": Hardware(
-        name="H200 SXM", devices_per_node=8, memory_bytes=141 * 10**9,
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-        matmul_efficiency=0.75, matmul_half_dim=64.0, memory_bandwidth=0.8 * 4800 * GB, op_overhead=4e-6,
-        intra_bandwidth=0.8 * 450 * GB, intra_latency=5e-6, inter_bandwidth=0.9 * 50 * GB, inter_latency=10e-6,
-        host_bandwidth=0.8 * 64 * GB, host_memory_bandwidth=100 * GB, overlap=0.9, kernels="cuda",
+    "h100-80gb": _H100,
+    "h200": dataclasses.replace(
+        _H100, name="H200 SXM", memory_bytes=141 * 10**9, memory_bandwidth=0.8 * 4800 * GB,
         source="NVIDIA H200 data sheet; DGX H200 (8 x NDR 400 Gb/s per node)",
     ),
     "cpu": Hardware(
