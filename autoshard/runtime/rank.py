@@ -17,6 +17,7 @@ optimizer steps and the holder writes the update back.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
 from collections.abc import Callable
@@ -50,6 +51,9 @@ TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr n
 
 
 _groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
+# Freed before the interpreter tears down, as c10d frees its own: a gloo group destroyed during module
+# teardown aborts the process ("terminate called without an active exception").
+atexit.register(_groups.clear)
 
 
 def shared_group(ranks: Any, timeout: timedelta) -> Any:
@@ -59,6 +63,8 @@ def shared_group(ranks: Any, timeout: timedelta) -> Any:
     Every rank creates every group, in the same order, so every rank hits or misses alike; a new default
     group (after destroy_process_group) starts afresh."""
     world = dist.group.WORLD
+    for stale in [k for k, (w, _) in _groups.items() if w is not world]:
+        del _groups[stale]  # groups of a destroyed default group
     key = (tuple(ranks), timeout)
     made = _groups.get(key)
     if made is None or made[0] is not world:
