@@ -67,7 +67,7 @@ def shared_group(ranks: Any, timeout: timedelta) -> Any:
         del _groups[stale]  # groups of a destroyed default group
     key = (tuple(ranks), timeout)
     made = _groups.get(key)
-    if made is None or made[0] is not world:
+    if made is None:
         made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
     return made[1]
 
