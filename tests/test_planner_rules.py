@@ -67,6 +67,21 @@ def test_tensor_and_pipeline_parallelism_split_the_model_states(gpt2) -> None:
     assert pp < w  # the most loaded stage holds part of the blocks
 
 
+def test_each_pipeline_stage_holds_the_parameters_it_reads(gpt2) -> None:
+    """Embeddings on the first stage; the last block, final norm and the tied head (a copy) on the last."""
+    model = build_case("gpt2").model
+    nbytes = {name: p.numel() * p.element_size() for name, p in model.named_parameters(remove_duplicate=False)}
+
+    def held(*prefixes: str) -> int:
+        return sum(n for name, n in nbytes.items() if name.startswith(prefixes))
+
+    stages = costing(gpt2)._stages(Plan(dp=1, pp=2, microbatches=2), 4)
+    assert [s.params for s in stages] == [
+        held("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
+        held("transformer.h.1.", "transformer.ln_f.", "lm_head."),
+    ]
+
+
 def test_every_plan_the_constraints_allow_is_a_candidate(gpt2) -> None:
     report = choose_plan(8, {}, costing(gpt2), gpt2[1], HW)
     shapes = {(c.plan.dp, c.plan.tp, c.plan.pp) for c in report.candidates}

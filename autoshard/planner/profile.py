@@ -128,6 +128,9 @@ class PartAtDegree:
     degree: int
     graph: fx.GraphModule  # the part as rewritten for this degree
     kernels: str
+    # Trainable parameters it reads that another part owns (a tied head): (target, owner part, bytes, elements)
+    # of one rank's shard. A pipeline stage without the owner holds its own copy, with gradient and state.
+    tied: tuple[tuple[str, str, int, int], ...] = ()
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -249,23 +252,28 @@ def _matmul_dims(node: fx.Node) -> tuple[sympy.Expr, ...]:
     return ()
 
 
-def _local_params(gm: fx.GraphModule, owned: frozenset[str]) -> tuple[int, int, int]:
-    """Bytes and elements of the parameters this part owns (a tied one counts in the part that first reads it)."""
-    total = elements = largest = 0
+def _local_params(
+    gm: fx.GraphModule, owned: frozenset[str], owners: dict[str, str]
+) -> tuple[int, int, int, tuple[tuple[str, str, int, int], ...]]:
+    """Bytes and elements of the parameters this part owns (a tied one counts in the part that first reads it),
+    the most one gather brings, and the tied ones it reads (``owners``: their owning parts)."""
+    total = elements = 0
+    tied = []
     seen = set()
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.target in seen or node.target not in owned:
+        if node.op != "get_attr" or node.target in seen or (node.target not in owned and node.target not in owners):
             continue
         seen.add(node.target)
         shape = get_shape(node)
         if not shape.tensors or not shape.tensors[0].requires_grad:
             continue
         t = shape.tensors[0]
-        n = int(evaluate_expr(t.numel, {}))
-        total += int(evaluate_expr(t.nbytes, {}))
-        elements += n
-    largest = total
-    return total, elements, largest
+        n, nbytes = int(evaluate_expr(t.numel, {})), int(evaluate_expr(t.nbytes, {}))
+        if node.target in owned:
+            total, elements = total + nbytes, elements + n
+        else:
+            tied.append((str(node.target), owners[node.target], nbytes, n))
+    return total, elements, total, tuple(tied)
 
 
 def _comms(gm: fx.GraphModule) -> tuple[Comm, ...]:
@@ -288,7 +296,13 @@ def _recomputed(gm: fx.GraphModule) -> frozenset[str]:
 
 
 def _profile_part(
-    sub: fx.GraphModule, owned: frozenset[str], degree: int, sp: bool, sizes: dict[str, int], kernels: str
+    sub: fx.GraphModule,
+    owned: frozenset[str],
+    owners: dict[str, str],
+    degree: int,
+    sp: bool,
+    sizes: dict[str, int],
+    kernels: str,
 ) -> PartAtDegree:
     g = copy.deepcopy(sub)
     sharded = False
@@ -300,12 +314,12 @@ def _profile_part(
         passes.run_pass(passes.tp_rewrite.PASS, g, degree, sp)
         passes.run_pass(passes.cost_model.PASS, g)  # FLOPs of the local shapes
     works, comms = _works(g), _comms(g)
-    param_bytes, elements, largest = _local_params(g, owned)
+    param_bytes, elements, largest, tied = _local_params(g, owned, owners)
     out_node = next(n for n in g.graph.nodes if n.op == "output")
     boundary = sympy.Add(
         *(get_shape(v).nbytes for v in out_node.args[0] if isinstance(v, fx.Node) and get_shape(v).requires_grad)
     )
-    return PartAtDegree(works, comms, param_bytes, elements, largest, sharded, boundary, degree, g, kernels)
+    return PartAtDegree(works, comms, param_bytes, elements, largest, sharded, boundary, degree, g, kernels, tied)
 
 
 @dataclass
@@ -314,6 +328,7 @@ class ModelProfile:
 
     parts: dict[str, fx.GraphModule]  # "pre", one per block kind ("block 0", ...), "post"
     owned: dict[str, frozenset[str]]  # per part, the parameters it owns (get_attr targets)
+    tied: dict[str, dict[str, str]]  # per part, the parameters it reads that another part owns: their owner
     blocks: tuple[str, ...]  # the block kind of each repeated block, in order
     block_names: tuple[str, ...]
     heads: int  # attention heads (0: no attention found)
@@ -327,7 +342,7 @@ class ModelProfile:
         key = (name, degree, sp and degree > 1)
         if key not in self._cache:
             self._cache[key] = _profile_part(
-                self.parts[name], self.owned[name], degree, key[2], self.sizes, self.kernels
+                self.parts[name], self.owned[name], self.tied[name], degree, key[2], self.sizes, self.kernels
             )
         return self._cache[key]
 
@@ -385,12 +400,21 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
     block_layers = list(dict.fromkeys(layer for layer in layers if _is_block(layer)))
     computes = [i for i, n in enumerate(nodes) if n.op == "call_function" and _is_block(layers[i])]
     first, last = (computes[0], computes[-1]) if computes else (len(nodes), len(nodes) - 1)
-    pre = [n for i, n in enumerate(nodes) if not _is_block(layers[i]) and i < first]
-    post = [n for i, n in enumerate(nodes) if not _is_block(layers[i]) and i >= first]
+    outside = [i for i, layer in enumerate(layers) if not _is_block(layer)]
+    post_compute = {nodes[i] for i in outside if i >= first}
+    # A parameter belongs to the end that reads it: export puts every get_attr first, and the final norm's
+    # or the head's weights on the first stage would be charged to the wrong pipeline rank.
+    late = {
+        nodes[i] for i in outside
+        if i < first and nodes[i].op == "get_attr" and nodes[i].users and set(nodes[i].users) <= post_compute
+    }  # fmt: skip
+    pre = [nodes[i] for i in outside if i < first and nodes[i] not in late]
+    post = [nodes[i] for i in outside if i >= first or nodes[i] in late]
     parts: dict[str, fx.GraphModule] = {}
     owned: dict[str, frozenset[str]] = {}
 
-    taken: set[int] = set()  # parameters already owned (a tied weight belongs to the first part reading it)
+    tied: dict[str, dict[str, str]] = {}
+    taken: dict[int, str] = {}  # parameters already owned, by whom (a tied weight: the first part reading it)
 
     def add(name: str, members: list[fx.Node]) -> None:
         parts[name] = extract(gm, members)
@@ -399,9 +423,13 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
             if n.op == "get_attr":
                 key = id(operator.attrgetter(n.target)(gm))
                 if key not in taken:
-                    taken.add(key)
+                    taken[key] = name
                     mine.add(n.target)
         owned[name] = frozenset(mine)
+        # What the part reads (its extracted graph pulls in the get_attrs it needs) that an earlier part owns.
+        reads = {n.target for n in parts[name].graph.nodes if n.op == "get_attr"}
+        owner = {t: taken.get(id(operator.attrgetter(t)(gm))) for t in reads}
+        tied[name] = {t: o for t, o in owner.items() if o is not None and o != name}
 
     if pre:
         add("pre", pre)
@@ -419,5 +447,5 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
     dtype = next((get_shape(n).tensors[0].dtype for n in nodes if n.op == "get_attr" and get_shape(n).tensors),
                  torch.float32)  # fmt: skip
     return ModelProfile(
-        parts, owned, tuple(blocks), tuple(block_layers), _heads(gm), dict(sizes), kernels, model_flops, dtype
+        parts, owned, tied, tuple(blocks), tuple(block_layers), _heads(gm), dict(sizes), kernels, model_flops, dtype
     )
