@@ -198,8 +198,8 @@ class Costing:
                 kept += count * k
                 transient = max(transient, tr)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.
-            copies = {t: (nbytes, n) for name in names for t, owner, nbytes, n in self._part(name, plan).tied
-                      if owner not in names}  # fmt: skip
+            copies = {t: (nbytes, n) for name in {name for name, _ in runs}
+                      for t, owner, nbytes, n in self._part(name, plan).tied if owner not in names}  # fmt: skip
             params += sum(nbytes for nbytes, _ in copies.values())
             elements += sum(n for _, n in copies.values())
             if names:  # what the stage's last part hands on
