@@ -61,6 +61,10 @@ class Costing:
         self.heads = profile.heads
         scale = sizes.get("B", 1) / max(1, profile.sizes.get("B", 1))
         self.model_flops = profile.model_flops * scale  # at the planning batch
+        # The search costs thousands of plans that differ only in ZeRO stage, offload, bucket or schedule:
+        # none of those changes a stage's kernels, so each stage layout is costed once.
+        self._stage_memo: dict[tuple, list[_Stage]] = {}
+        self._recompute_memo: dict[tuple, float] = {}
 
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
         """pp at most the blocks; tp dividing the heads and sharding every kind of block."""
@@ -170,6 +174,15 @@ class Costing:
 
     def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> list[_Stage]:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
+        # Everything _costed_stages reads of the plan.
+        key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
+               plan.dp, self._dtype(plan), micro, slowdown)  # fmt: skip
+        stages = self._stage_memo.get(key)
+        if stages is None:
+            stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
+        return list(stages)
+
+    def _costed_stages(self, plan: Plan, micro: int, slowdown: float) -> list[_Stage]:
         hw, sizes, dtype = self.hardware, {**self.sizes, "B": micro}, self._dtype(plan)
         out = []
         cut_names = self._parts_per_stage(plan, micro)
@@ -298,12 +311,16 @@ class Costing:
         """FLOPs recomputation repeats in one step, over every rank."""
         if plan.recompute == "none":
             return 0.0
-        sizes = {**self.sizes, "B": micro}
-        flops = 0.0
-        for kind, name in zip(self.profile.blocks, self.profile.block_names):
-            choice = _choice(plan.recompute, name)
-            if choice != "none":
-                flops += self._part(kind, plan).recompute_flops(choice, sizes)
+        key = (plan.tp, plan.sequence_parallel, plan.recompute, micro)
+        flops = self._recompute_memo.get(key)
+        if flops is None:
+            sizes = {**self.sizes, "B": micro}
+            flops = 0.0
+            for kind, name in zip(self.profile.blocks, self.profile.block_names):
+                choice = _choice(plan.recompute, name)
+                if choice != "none":
+                    flops += self._part(kind, plan).recompute_flops(choice, sizes)
+            self._recompute_memo[key] = flops
         return flops * plan.tp * plan.dp * plan.microbatches
 
 
