@@ -10,9 +10,10 @@ backward runs. The choice (``Plan.recompute``):
 
     "full"         each repeated block (a layer named ``... .<index>``) is one region
     "selective"    within each block, every run of ops between the ones worth keeping that holds
-                   attention or dropout is a region; kept are matmuls with a weight (FLOP-heavy) and
-                   communication (a collective is not repeated); recomputed are attention scores,
-                   softmax, dropout and the pointwise ops between them
+                   attention (a product of two activations, a softmax) is a region; kept are matmuls
+                   with a weight (FLOP-heavy) and communication (a collective is not repeated);
+                   recomputed are attention scores, softmax, attention dropout and the pointwise ops
+                   between them (Korthikanti et al.'s selective recomputation: the core attention)
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 
@@ -93,20 +94,14 @@ def _kept(node: fx.Node) -> bool:
     return node.target in _COMMUNICATION or (dims is not None and _reads_weight(node.args[dims[1]]))
 
 
-_HEAVY = {
-    aten.softmax,
-    aten._softmax,
-    aten._safe_softmax,
-    aten.scaled_dot_product_attention,
-    aten.dropout,
-    aten.native_dropout,
-}
+_ATTENTION = {aten.softmax, aten._softmax, aten._safe_softmax, aten.scaled_dot_product_attention}
 
 
-def _memory_heavy(node: fx.Node) -> bool:
-    """Attention (a product of two activations, a softmax) or dropout: what selective recomputation is for."""
+def _attention(node: fx.Node) -> bool:
+    """A product of two activations (a kept matmul never gets here), a softmax, or fused attention: what
+    selective recomputation is for (S**2 bytes per head, few FLOPs)."""
     target = runs(node)[0]
-    return packet(target) in _HEAVY or matmul_dims(target) is not None
+    return packet(target) in _ATTENTION or matmul_dims(target) is not None
 
 
 def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
@@ -144,10 +139,11 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         in_run = set(runs[-1])
         key = layer if inside else None
     # A run of views and sizes alone keeps nothing worth recomputing; selective recomputation takes only
-    # the runs that hold attention or dropout (a norm or activation between two kept matmuls would cost
-    # its recomputation and save nothing: the matmul after it keeps its output anyway).
+    # the runs that hold attention. A norm or activation between two kept matmuls would cost its
+    # recomputation and save nothing (the matmul after it keeps its input anyway); a hidden dropout with the
+    # residual add and norm after it would save its one-byte mask per element and draw the mask again.
     if choice == "selective":
-        runs = [r for r in runs if any(_memory_heavy(n) for n in r)]
+        runs = [r for r in runs if any(_attention(n) for n in r)]
     regions = [r for r in [*runs, *user.values()] if any(packet(n.target) not in ALIASING for n in r)]
     return sorted(regions, key=lambda r: position[r[0]])
 
