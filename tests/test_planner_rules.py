@@ -14,9 +14,10 @@ from autoshard.hardware import Hardware
 from autoshard.meta import evaluate_expr
 from autoshard.plan import Plan
 from autoshard.planner import choose_plan, default_microbatches
-from autoshard.planner.costing import Costing, _simulate, _Stage
+from autoshard.planner.costing import Costing, _Stage
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
+from autoshard.planner.simulate import simulate
 from autoshard.schedules import build_schedule
 
 HW = Hardware.preset("a100-80gb")
@@ -113,10 +114,10 @@ def test_the_simulated_schedule_has_the_textbook_bubble(schedule: str) -> None:
     """Equal stages, no sends: a step of (m + pp - 1) x (F + B) (GPipe and 1F1B alike)."""
     pp, m, f, b = 4, 8, 1.0, 2.0
     stage = _Stage(f, b, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0)
-    makespan, busy, _ = _simulate(build_schedule(schedule, pp, m), (stage,) * pp)
+    makespan, busy, _ = simulate(build_schedule(schedule, pp, m), (stage,) * pp)
     assert makespan == pytest.approx((m + pp - 1) * (f + b))
     assert busy == [pytest.approx(m * (f + b))] * pp
-    interleaved, _, _ = _simulate(build_schedule("interleaved_1f1b", pp, m, 2), (_half(stage),) * (2 * pp))
+    interleaved, _, _ = simulate(build_schedule("interleaved_1f1b", pp, m, 2), (_half(stage),) * (2 * pp))
     assert m * (f + b) < interleaved < makespan  # virtual stages shrink the bubble
 
 

@@ -27,7 +27,8 @@ from autoshard.hardware import Hardware
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
-from autoshard.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
+from autoshard.planner.simulate import built, simulate, table
+from autoshard.schedules import Schedule
 
 __all__ = ["Costing"]
 
@@ -87,7 +88,7 @@ class Costing:
         if schedule is not None and hw.shared_cores:
             # Ranks that share cores compute faster while others wait: rescale by how many compute at once.
             for _ in range(2):
-                makespan, busy, _ = _simulate(schedule, tuple(stages))
+                makespan, busy, _ = simulate(schedule, tuple(stages))
                 computing = node / plan.pp * sum(busy) / makespan
                 stages = self._stages(plan, micro, hw.sharing(computing))
         if schedule is None:
@@ -97,12 +98,12 @@ class Costing:
             in_flight = [1]
             timeline: tuple = ()
         else:
-            makespan, busy, timeline = _simulate(schedule, tuple(stages), timeline=with_timeline)
+            makespan, busy, timeline = simulate(schedule, tuple(stages), timeline=with_timeline)
             # The sends' share of the idle time (a second simulation without them) only for the plans kept:
             # the search ranks by the step, which it does not change.
             no_send = makespan
             if with_timeline:
-                no_send = _simulate(schedule, tuple(dataclasses.replace(s, send=0.0) for s in stages))[0]
+                no_send = simulate(schedule, tuple(dataclasses.replace(s, send=0.0) for s in stages))[0]
             per_rank_tp = [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
@@ -112,7 +113,7 @@ class Costing:
             pp_comm = max(0.0, makespan - no_send)
             bubble = max(0.0, makespan - busy[slowest] - pp_comm)
             window = max(s.backward for s in stages)
-            in_flight = list(_table(schedule).in_flight)
+            in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute)
         time = StepTime(
@@ -140,7 +141,7 @@ class Costing:
             return None
         if isinstance(plan.schedule, Schedule):
             return plan.schedule.check_for(plan.pp)
-        return _built(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+        return built(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
 
     def _parts_per_stage(self, plan: Plan, micro: int) -> list[list[str]]:
         n = plan.pp * plan.virtual_stages
@@ -348,42 +349,6 @@ def _by_rank(stages: list[_Stage], pp: int) -> list[list[_Stage]]:
     return [stages[r::pp] for r in range(pp)]
 
 
-@functools.lru_cache(maxsize=512)
-def _built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
-    """A named schedule (built by its constructor, which is right by construction: compile validates the
-    chosen one again)."""
-    if name == "gpipe":
-        return gpipe(pp, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(pp, microbatches)
-    return interleaved_1f1b(pp, microbatches, virtual_stages)
-
-
-@dataclass(frozen=True)
-class _Table:
-    """A schedule as integers, to simulate fast: per rank its actions as (index, stage, forward, index of the
-    action it receives from or -1, the stage whose boundary the transfer crosses or -1)."""
-
-    ranks: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
-    labels: tuple[str, ...]
-    in_flight: tuple[int, ...]
-
-
-@functools.lru_cache(maxsize=1024)
-def _table(schedule: Schedule) -> _Table:
-    index = {a: i for i, a in enumerate(a for actions in schedule.ranks for a in actions)}
-    rows = []
-    for rank, actions in enumerate(schedule.ranks):
-        row = []
-        for action in actions:
-            need = action.needs(schedule.n_stages)
-            remote = need is not None and schedule.rank_of(need.stage) != rank
-            link = min(action.stage, need.stage) if remote else -1
-            row.append((index[action], action.stage, action.kind == "F", index[need] if need else -1, link))
-        rows.append(tuple(row))
-    return _Table(tuple(rows), tuple(str(a) for a in index), tuple(schedule.peak_in_flight()))
-
-
 @functools.lru_cache(maxsize=4096)
 def _balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
     """Where each of ``n`` contiguous groups of blocks starts so the costliest group is cheapest."""
@@ -413,47 +378,6 @@ def _balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
     while len(starts) < n:
         starts.append(starts[-1] + 1)
     return [*starts, count]
-
-
-@functools.lru_cache(maxsize=8192)  # plans that differ only in ZeRO stage or offload share their stages
-def _simulate(
-    schedule: Schedule, stages: tuple[_Stage, ...], timeline: bool = False
-) -> tuple[float, list[float], tuple]:
-    """Run the schedule's action table with each stage's costs: (makespan, busy seconds per rank, and with
-    ``timeline`` per rank its (action, start, end))."""
-    table = _table(schedule)
-    forward = [s.forward for s in stages]
-    backward = [s.backward for s in stages]
-    send = [s.send for s in stages]
-    finish = [-1.0] * len(table.labels)
-    pp = len(table.ranks)
-    free, busy, cursor = [0.0] * pp, [0.0] * pp, [0] * pp
-    rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
-    remaining = sum(len(r) for r in table.ranks)
-    while remaining:
-        progressed = False
-        for rank in range(pp):
-            actions, c = table.ranks[rank], cursor[rank]
-            while c < len(actions):
-                index, stage, is_forward, need, link = actions[c]
-                ready = 0.0
-                if need >= 0:
-                    if finish[need] < 0:
-                        break
-                    ready = finish[need] + (send[link] if link >= 0 else 0.0)
-                duration = forward[stage] if is_forward else backward[stage]
-                start = free[rank] if free[rank] > ready else ready
-                free[rank] = finish[index] = start + duration
-                busy[rank] += duration
-                if timeline:
-                    rows[rank].append((table.labels[index], start, start + duration))
-                c += 1
-                remaining -= 1
-                progressed = True
-            cursor[rank] = c
-        if not progressed:
-            break  # a custom schedule that deadlocks: compile names the rule it breaks
-    return max(free), busy, tuple(tuple(r) for r in rows)
 
 
 def _why(time: StepTime, memory: Memory, fits: bool, hw: Hardware) -> str:

@@ -415,7 +415,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "54_simulated_schedule_ignores_what_it_waits_for",
-        "file": "autoshard/planner/costing.py",
+        "file": "autoshard/planner/simulate.py",
         "why": "the planner's schedule simulation starts an action before the one it receives from finished",
         "tests": ["tests/test_planner_rules.py"],
         "k": "textbook_bubble",
