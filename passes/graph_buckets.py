@@ -5,15 +5,16 @@ Reads:  nothing (runs on the backward graph AOTAutograd hands the compiler: its 
 Writes: nothing; inserts each bucket's reduction
 
 A bucket (the holder's, laid out by passes/grad_buckets) whose parameters are all inputs of the graph
-is reduced in it: its gradients are flattened and concatenated just after the last of them is
-computed, cast to the reduction dtype, divided by dp and all-reduced; the wait and the views back
-into each gradient sit just before the output, so the rest of backward runs while the bucket is on
-the wire (DDP's overlap, in the graph). For a bucket of the inputs 3 and 4 over dp=2:
+is reduced in it: just after the last of its gradients is computed, each is flattened, cast to the
+reduction dtype and divided by dp, and they are concatenated (one fused copy) and all-reduced; the
+wait and the views back into each gradient sit just before the output, so the rest of backward runs
+while the bucket is on the wire (DDP's overlap, in the graph). The gradients the graph returns are
+views of the reduced bucket, which the parameters take as they are. For the inputs 3 and 4, dp=2:
 
     mm_3 = aten.mm(permute_4, view_2)                    # the bucket's last gradient
     view_7 = aten.reshape(mm_3, [-1]); view_8 = aten.reshape(sum_1, [-1])
-    cat = aten.cat([view_7, view_8]); div = aten.div(cat, 2)
-    all_reduce = _c10d_functional.all_reduce(div, 'sum', '3')
+    div = aten.div(view_7, 2); div_1 = aten.div(view_8, 2); cat = aten.cat([div, div_1])
+    all_reduce = _c10d_functional.all_reduce(cat, 'sum', '3')
     mm_4 = aten.mm(view_1, permute_5)                    # earlier layers' backward, meanwhile
     ...
     wait_tensor = _c10d_functional.wait_tensor(all_reduce)
@@ -73,9 +74,9 @@ def run(
             flat = [_call(graph, aten.reshape.default, g, [-1]) for g in grads]
             if dtype is not None and dtype != own:
                 flat = [_call(graph, torch.ops.prims.convert_element_type.default, f, dtype) for f in flat]
+            flat = [_call(graph, aten.div.Tensor, f, dp) for f in flat]
             cat = _call(graph, aten.cat.default, flat)
-            scaled = _call(graph, aten.div.Tensor, cat, dp)
-            reduced = _call(graph, _ops.all_reduce.default, scaled, "sum", group_name)
+            reduced = _call(graph, _ops.all_reduce.default, cat, "sum", group_name)
         with graph.inserting_before(output):
             waited = _call(graph, _ops.wait_tensor.default, reduced)
             if dtype is not None and dtype != own:

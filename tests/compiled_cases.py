@@ -97,6 +97,37 @@ def graph_facts(rank: int, world_size: int, family: str, mesh: dict[str, int], p
     return facts
 
 
+def in_graph_bucket_facts(rank: int, world_size: int, family: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Plain dp compiled with aot_eager: what the backward graphs take and return, and where the gradients live."""
+    import warnings
+
+    case = build_case(family)
+    program = compile_with(case, {"dp": world_size}, plan, torch_compile=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = train_local_batches(program, case)
+    holder = program.runtime.holder
+    storages = {
+        g: {p.grad.untyped_storage().data_ptr() for p in holder.layouts[g].params if p.grad is not None}
+        for g in holder.order
+    }
+    backward = [r.gm for r in program.compiled_graphs if r.kind == "backward"]
+    tangents = [sum(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes) for gm in backward]
+    return {
+        "losses": losses,
+        "state": program.full_state_dict(),
+        "in_graph": sorted(holder.in_graph),
+        "groups": list(holder.order),
+        "storages": {g: len(s) for g, s in storages.items()},
+        "distinct": len(set().union(*storages.values())),
+        "released": all(holder.buffers[g].numel() == 0 for g in holder.in_graph),
+        "gradient_bytes": program.runtime.last_step_memory["gradients"],
+        "bucket_bytes": sum(holder.layouts[g].numel * 4 for g in holder.order),
+        "tangents": tangents,
+        "warnings": [str(w.message)[:80] for w in caught if "boxed" in str(w.message)],
+    }
+
+
 def train_plans(rank: int, world_size: int, family: str, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One rank, eager graphs: train under each plan in turn (dp over every rank)."""
     out = []

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import build_case, train_single_device, train_single_device_mixed
-from compiled_cases import compile_with, graph_facts, train_compiled, train_plans, train_single_device_autocast
+from compiled_cases import (
+    compile_with,
+    graph_facts,
+    in_graph_bucket_facts,
+    train_compiled,
+    train_plans,
+    train_single_device_autocast,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +54,22 @@ def test_dp2_tp2_graphs_hold_functional_collectives_waited_as_late_as_possible(r
         assert compiled_losses == pytest.approx(eager_losses, rel=RTOL)
     ref_losses, ref_state = train_single_device("gpt2")
     assert_matches({"losses": facts[0]["losses"][0], "state": facts[0]["state"]}, ref_losses, ref_state)
+
+
+def test_compiled_dp_gradients_are_views_of_the_reduced_buckets(ranks) -> None:
+    # Plain dp, several buckets: each backward graph reduces them itself and returns every gradient as a view of
+    # its reduced bucket, which the parameters keep (no zeroed buffer to accumulate into); the model's outputs
+    # leave the graph detached, so backward takes the loss's gradient alone; AOTAutograd calls it boxed.
+    results = ranks(4).run(in_graph_bucket_facts, "gpt2", {"bucket_mb": 0.02})
+    for facts in results:
+        assert len(facts["groups"]) >= 3 and facts["in_graph"] == sorted(facts["groups"])
+        assert all(count == 1 for count in facts["storages"].values()), facts["storages"]
+        assert facts["distinct"] == len(facts["groups"])  # one storage per bucket
+        assert facts["released"] and facts["gradient_bytes"] == facts["bucket_bytes"]
+        assert facts["tangents"] == [1], facts["tangents"]
+        assert facts["warnings"] == []
+    ref_losses, ref_state = train_single_device("gpt2")
+    assert_matches(results[0], ref_losses, ref_state)
 
 
 # Every strategy on GPT-2 and Llama, on 4 gloo ranks, compiled with inductor.

@@ -118,13 +118,17 @@ class RankCompiler:
         self.graphs: list[CompiledGraph] = []
         self.seconds = 0.0  # spent in AOTAutograd and the backend (dynamo's tracing excluded)
 
-    def compile(self, gm: nn.Module) -> Callable[..., Any]:
+    def compile(self, gm: nn.Module, outputs_need_grad: bool = True) -> Callable[..., Any]:
+        """``outputs_need_grad``: False for a graph whose outputs after the loss are only read (the model's
+        outputs of a whole training graph): they leave the compiled graph detached, so its backward graph
+        takes no gradient for them (autograd would hand it zeros the size of the logits)."""
         graph_break.enable()
         request = self.request
         backend = self._backend if request.rewrites_graphs else request.backend
         options = dict(request.options) if not request.rewrites_graphs else None
+        module = gm if outputs_need_grad else _LossKeepsGrad(gm)
         return torch.compile(
-            gm, backend=backend, dynamic=request.dynamic, fullgraph=request.fullgraph, options=options or None
+            module, backend=backend, dynamic=request.dynamic, fullgraph=request.fullgraph, options=options or None
         )
 
     # ---- the backend --------------------------------------------------------------------------------
@@ -161,7 +165,9 @@ class RankCompiler:
                 return counted(compile_fx_inner(graph, inputs, **kwargs), self.graphs[-1])
 
             patches = {"fallback_random": True, **dict(self.request.options)}  # dropout masks as eager draws them
-            fn = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+            fn = compile_fx(
+                gm, example_inputs, inner_compile=inner, config_patches=patches, decompositions=_decompositions(patches)
+            )
         else:
             from functorch.compile import make_boxed_func
             from torch._dynamo.backends.common import aot_autograd
@@ -178,14 +184,45 @@ class RankCompiler:
         return fn
 
 
+# Left to their ATen kernels: inductor's decomposition of nll_loss_backward scatters -1 into zeros, which it
+# fuses into a comparison of every class index with the target over the whole (rows x classes) grid, one more
+# pass over the logits' size; the kernel writes one value per row.
+_KEPT_WHOLE = (torch.ops.aten.nll_loss_backward.default, torch.ops.aten.nll_loss2d_backward.default)
+
+
+def _decompositions(patches: dict[str, Any]) -> dict[Any, Any]:
+    """Inductor's decomposition table under ``patches``, less the ops in _KEPT_WHOLE."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    with inductor_config.patch(patches):
+        table = dict(select_decomp_table())
+    for op in _KEPT_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+class _LossKeepsGrad(nn.Module):
+    """A training graph whose outputs after the first (the loss) come out detached."""
+
+    def __init__(self, gm: nn.Module) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        loss, *outputs = self.gm(*args)
+        return (loss, *(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs))
+
+
 class _Counted:
     """A compiled forward or backward graph that counts its collectives in the CommCounter each time it runs
     (everything else, such as inductor's calling convention, is the compiled graph's own)."""
 
     def __init__(self, compiled: Any, record: CompiledGraph, comm: CommCounter) -> None:
         self._compiled, self._record, self._comm = compiled, record, comm
-
-    _boxed_call = True  # AOTAutograd passes the arguments as one list; inductor's wrappers may unpack them
+        # AOTAutograd passes the arguments as one list, which the graph empties as it goes (a saved activation
+        # is freed after its last use). An attribute of the instance: AOTAutograd's wrappers copy __dict__.
+        self._boxed_call = True
 
     def __call__(self, *args: Any) -> Any:
         flat = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)

@@ -169,6 +169,11 @@ class ReplicatedHolder(Holder):
 
     def begin(self, armed: bool) -> None:
         for g in self.order:
+            if g in self.in_graph:  # the backward graph returns its gradients as views of the reduced bucket
+                self.buffers[g] = self.buffers[g].new_empty(0)
+                for param in self.layouts[g].params:
+                    param.grad = None
+                continue
             self.buffers[g].zero_()
             for param, view in zip(self.layouts[g].params, self.views[g]):
                 param.grad = view
@@ -204,7 +209,10 @@ class ReplicatedHolder(Holder):
         return self.buffers[gid]
 
     def memory(self) -> dict[str, int]:
-        return {"parameters": _nbytes(self.params()), "gradients": _nbytes(self.buffers.values())}
+        grads = [p.grad for g in self.in_graph for p in self.layouts[g].params if p.grad is not None]
+        reduced = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}  # one per bucket
+        gradients = _nbytes(self.buffers.values()) + sum(reduced.values())
+        return {"parameters": _nbytes(self.params()), "gradients": gradients}
 
 
 class Masters:

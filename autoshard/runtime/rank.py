@@ -162,7 +162,8 @@ class RankRuntime:
         self.optimizer = self._make_optimizer(factory) if factory is not None else None
         # 7. torch.compile: each graph compiled (on its first call), else the graphs themselves
         self.compiler = rank_compiler(self) if compiled.torch_compile is not None else None
-        calls = {s: self.compiler.compile(gm) if self.compiler else gm for s, gm in self.graphs.items()}
+        whole = self.schedule is None  # one graph: (loss, *the model's outputs), only the loss is differentiated
+        calls = {s: self.compiler.compile(gm, not whole) if self.compiler else gm for s, gm in self.graphs.items()}
         self.calls = {s: self.autocast_call(call) for s, call in calls.items()}
         self.runner = self._make_runner() if self.schedule else None
         self.partial = {id(t) for t in self.tensors.values() if self.placement_of[id(t)].partial_over_tp}
