@@ -191,14 +191,19 @@ _KEPT_WHOLE = (torch.ops.aten.nll_loss_backward.default, torch.ops.aten.nll_loss
 
 
 def _decompositions(patches: dict[str, Any]) -> dict[Any, Any]:
-    """Inductor's decomposition table under ``patches``, less the ops in _KEPT_WHOLE."""
+    """Inductor's decomposition table under ``patches``, less the ops in _KEPT_WHOLE (lowered to their kernels)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
 
     with inductor_config.patch(patches):
         table = dict(select_decomp_table())
     for op in _KEPT_WHOLE:
         table.pop(op, None)
+        # Registered as a fallback up front: inductor's implicit fallback for an op that has a decomposition is an
+        # error where the CI environment variable is set. Other compiles still decompose the op before lowering.
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=require_contiguous, warn=False, override_decomp=True)
     return table
 
 
