@@ -85,6 +85,9 @@ class Hardware:
     # Ranks of a node that share processors (CPU ranks): as many ranks as this compute at full speed at
     # once, more share it; 0 when each rank has its own device.
     shared_cores: float = 0.0
+    # Seconds a synchronous collective waits beyond its own time when it follows compute: ranks that share
+    # cores reach it apart (by about a scheduler's time slice). 0 when each rank has its own device.
+    sync_wait: float = 0.0
     collectives: tuple[CollectiveFit, ...] = field(default=())
     source: str = ""  # where the figures come from
 

@@ -607,3 +607,14 @@ def groups_after_compiles(rank: int, world_size: int, mesh: dict[str, int], comp
         train_local_batches(program, case)
         counts.append(len(dist.distributed_c10d._world.pg_map))
     return counts
+
+
+def measured_hardware(rank: int, world_size: int, times: int) -> list[tuple[str, int]]:
+    """Hardware.measure() ``times`` times on this rank: each result as JSON, and the process groups held after."""
+    import torch.distributed as dist
+
+    out = []
+    for _ in range(times):
+        hardware = autoshard.Hardware.measure()
+        out.append((hardware.to_json(), len(dist.distributed_c10d._world.pg_map)))
+    return out
