@@ -3,21 +3,23 @@ the constraints allow, the simulated pipeline schedule, max_batch, and the defau
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import sympy
-from cases import build_case
+from cases import build_case, measured_hardware
 
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.cost import summarize
 from autoshard.hardware import Hardware
-from autoshard.meta import evaluate_expr
+from autoshard.meta import ZERO_GROUP, evaluate_expr
 from autoshard.plan import Plan
 from autoshard.planner import choose_plan, default_microbatches
 from autoshard.planner.costing import Costing, _Stage
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
-from autoshard.planner.simulate import simulate
+from autoshard.planner.simulate import simulate, simulate_shared
 from autoshard.schedules import build_schedule
 
 HW = Hardware.preset("a100-80gb")
@@ -25,7 +27,7 @@ HW = Hardware.preset("a100-80gb")
 
 @pytest.fixture(scope="module")
 def gpt2():
-    """GPT-2 (2 blocks, 4 heads, 8 rows) captured once: its profile and parameter bytes."""
+    """GPT-2 (2 blocks, 4 heads, 8 rows) captured once: its profile, sizes, parameter bytes and ZeRO-3 groups."""
     case = build_case("gpt2")
     batch = case.batches[0]
     captured = capture(case.model, batch.inputs, batch.kwargs)
@@ -34,11 +36,13 @@ def gpt2():
     sizes = captured.example_sizes
     flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, sizes))
     profile = profile_graph(captured.gm, sizes, HW.kernels, flops)
-    return profile, sizes, cost.param_bytes
+    passes.run_pass(passes.zero_groups.PASS, captured.gm)  # the gather groups the runtime forms
+    groups = {n.meta[ZERO_GROUP].group for n in captured.gm.graph.nodes if ZERO_GROUP in n.meta}
+    return profile, sizes, cost.param_bytes, len(groups)
 
 
 def costing(gpt2, hardware: Hardware = HW) -> Costing:
-    profile, sizes, _ = gpt2
+    profile, sizes = gpt2[:2]
     return Costing(profile, sizes, hardware)
 
 
@@ -58,6 +62,20 @@ def test_memory_per_rank_follows_the_zero_formulas(gpt2, zero: int) -> None:
     assert (memory.weights, memory.gradients, memory.optimizer) == expected
     assert memory.gathered == (2 * largest if zero == 3 else 0)
     assert memory.activations > 0
+
+
+def test_zero3_pays_each_gather_group_its_own_collectives(gpt2) -> None:
+    """ZeRO-3 gathers each layer's group in forward and in backward and reduce-scatters it once: on CPU ranks,
+    where those calls are synchronous, each also waits for the last rank to arrive (``sync_wait``)."""
+    groups, m, wait = gpt2[3], 2, 1e-3
+    cpu = Hardware.preset("cpu")
+    assert groups > 2 and set(cpu.blocking) == {"all_gather", "reduce_scatter"}
+    plan = Plan(dp=4, zero=3, microbatches=m)
+    base = costing(gpt2, cpu).candidate(plan).time
+    waiting = costing(gpt2, cpu.with_(sync_wait=wait)).candidate(plan).time
+    assert waiting.zero3 - base.zero3 == pytest.approx(2 * m * groups * wait)
+    assert waiting.dp_comm - base.dp_comm == pytest.approx(groups * wait)
+    assert waiting.compute == base.compute
 
 
 def test_tensor_and_pipeline_parallelism_split_the_model_states(gpt2) -> None:
@@ -113,7 +131,7 @@ def test_a_fixed_mesh_keeps_the_defaults_that_fit(gpt2) -> None:
 def test_the_simulated_schedule_has_the_textbook_bubble(schedule: str) -> None:
     """Equal stages, no sends: a step of (m + pp - 1) x (F + B) (GPipe and 1F1B alike)."""
     pp, m, f, b = 4, 8, 1.0, 2.0
-    stage = _Stage(f, b, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0)
+    stage = _Stage(f, b, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
     makespan, busy, _ = simulate(build_schedule(schedule, pp, m), (stage,) * pp)
     assert makespan == pytest.approx((m + pp - 1) * (f + b))
     assert busy == [pytest.approx(m * (f + b))] * pp
@@ -121,8 +139,29 @@ def test_the_simulated_schedule_has_the_textbook_bubble(schedule: str) -> None:
     assert m * (f + b) < interleaved < makespan  # virtual stages shrink the bubble
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ranks_that_share_processors_compute_faster_while_others_wait(schedule: str) -> None:
+    """As many processors as ranks: the plain simulation. One processor for all: nothing overlaps, so the
+    step is every action's work in turn. Between: the pipeline's ranks speed up in its bubble, so the step
+    is shorter than with every rank slowed to its share all step long."""
+    pp, m, f, b = 4, 8, 1.0, 2.0
+    stage = _Stage(f, b, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
+    sched = build_schedule(schedule, pp, m)
+    plain = simulate(sched, (stage,) * pp)
+    own, busy, _ = simulate_shared(sched, (stage,) * pp, float(pp), 1)
+    assert own == pytest.approx(plain[0]) and busy == pytest.approx(plain[1])
+    one, _, _ = simulate_shared(sched, (stage,) * pp, 1.0, 1)
+    assert one == pytest.approx(pp * m * (f + b))
+    two, _, timeline = simulate_shared(sched, (stage,) * pp, 2.0, 1, timeline=True)
+    slowed = simulate(sched, (_Stage(2 * f, 2 * b, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0),) * pp)[0]
+    assert plain[0] < two < slowed
+    assert [len(actions) for actions in timeline] == [2 * m] * pp
+    # Two copies of each pipeline rank (dp 2) on as many processors as one pipeline has ranks: half speed.
+    assert simulate_shared(sched, (stage,) * pp, float(pp), 2)[0] == pytest.approx(two)
+
+
 def _half(s: _Stage) -> _Stage:
-    return _Stage(s.forward / 2, s.backward / 2, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0)
+    return _Stage(s.forward / 2, s.backward / 2, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
 
 
 def test_max_batch_is_the_largest_global_batch_that_fits(gpt2) -> None:
@@ -142,3 +181,21 @@ def test_max_batch_is_the_largest_global_batch_that_fits(gpt2) -> None:
 )  # fmt: skip
 def test_default_microbatches_are_the_most_that_divide_the_rows(rows: int, pp: int, schedule: str, expected) -> None:
     assert default_microbatches(rows, pp, schedule) == expected
+
+
+def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None:
+    results = ranks(4).run(measured_hardware, 2)
+    measured = [Hardware.from_json(rank[0][0]) for rank in results]
+    assert all(h == measured[0] for h in measured[1:])  # every rank gets the same figures, so plans alike
+    hw = measured[0]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    shared = 4 > cpus
+    assert hw.shared_cores == (float(cpus) if shared else 0.0)
+    assert hw.sync_wait >= 0 and (shared or hw.sync_wait == 0)
+    assert {(c.op, c.group_size) for c in hw.collectives} == {
+        (op, n) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for n in (4, 2)
+    }
+    assert all(0 < c.bandwidth <= hw.memory_bandwidth and c.latency >= 0 for c in hw.collectives)
+    assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1
+    # The probe groups are the process's shared ones: a second calibration makes none.
+    assert all(rank[1][1] == rank[0][1] for rank in results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from autoshard.hardware import Hardware
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
-from autoshard.planner.simulate import built, simulate, table
+from autoshard.planner.simulate import built, simulate, simulate_shared, table
 from autoshard.schedules import Schedule
 
 __all__ = ["Costing"]
@@ -47,6 +48,7 @@ class _Stage:
     params: int  # bytes one rank holds of this stage's parameters (tp shards)
     elements: int
     largest: int  # the largest part's parameters (a ZeRO-3 gather)
+    groups: int  # ZeRO-3 flat groups (one per layer): a gather in forward and backward, a reduce-scatter each
     kept: float  # activation bytes one microbatch keeps
     transient: float
 
@@ -84,13 +86,14 @@ class Costing:
         micro = max(1, local // plan.microbatches)
         schedule = self._schedule(plan)
         node = min(plan.mesh.size, hw.devices_per_node)  # ranks of one node
-        stages = self._stages(plan, micro, hw.sharing(node))
-        if schedule is not None and hw.shared_cores:
-            # Ranks that share cores compute faster while others wait: rescale by how many compute at once.
-            for _ in range(2):
-                makespan, busy, _ = simulate(schedule, tuple(stages))
-                computing = node / plan.pp * sum(busy) / makespan
-                stages = self._stages(plan, micro, hw.sharing(computing))
+        shared = schedule is not None and hw.shared_cores > 0  # ranks compute faster while others wait
+        stages = self._stages(plan, micro, 1.0 if shared else hw.sharing(node))
+
+        def run(stages: list[_Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
+            if shared:
+                return simulate_shared(schedule, tuple(stages), hw.shared_cores, node // plan.pp, timeline)
+            return simulate(schedule, tuple(stages), timeline)
+
         if schedule is None:
             stage = stages[0]
             compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm)
@@ -98,12 +101,12 @@ class Costing:
             in_flight = [1]
             timeline: tuple = ()
         else:
-            makespan, busy, timeline = simulate(schedule, tuple(stages), timeline=with_timeline)
+            makespan, busy, timeline = run(stages, timeline=with_timeline)
             # The sends' share of the idle time (a second simulation without them) only for the plans kept:
             # the search ranks by the step, which it does not change.
             no_send = makespan
             if with_timeline:
-                no_send = simulate(schedule, tuple(dataclasses.replace(s, send=0.0) for s in stages))[0]
+                no_send = run([dataclasses.replace(s, send=0.0) for s in stages])[0]
             per_rank_tp = [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
@@ -190,7 +193,7 @@ class Costing:
         block_iter = iter(self.profile.block_names)
         for names in cut_names:
             f = b = r = tp = 0.0
-            params = elements = largest = 0
+            params = elements = largest = groups = 0
             kept = transient = boundary = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
@@ -208,6 +211,7 @@ class Costing:
                 params += count * part.param_bytes
                 elements += count * part.param_elements
                 largest = max(largest, part.largest_param_bytes)
+                groups += count * part.gather_groups
                 k, tr, _ = part.at(choice, sizes)
                 kept += count * k
                 transient = max(transient, tr)
@@ -224,7 +228,7 @@ class Costing:
             if plan.pp > 1 and names:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
-            out.append(_Stage(f, b, r, tp, send, params, elements, largest, kept, transient))
+            out.append(_Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient))
         return out
 
     def _data_parallel(
@@ -238,19 +242,27 @@ class Costing:
         itemsize = params / max(1, elements)
         grad_bytes = elements * (_itemsize(plan.reduce_dtype) if plan.reduce_dtype else itemsize)
         span = plan.dp * plan.tp
+        # One collective per flat group, each paying its latency: ZeRO-3's groups are layers, the others' buckets.
+        groups = max(sum(s.groups for s in group) for group in per_rank)
+        calls = max(1, groups if plan.zero == 3 else math.ceil(grad_bytes / plan.bucket_bytes))
+
+        def collectives(op: str, nbytes: float) -> float:
+            arrival = hw.sync_wait if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
+            return calls * (hw.collective_seconds(op, nbytes / calls, plan.dp, span) + arrival)
+
         dp_comm = zero3 = 0.0
         if plan.dp > 1:
             if plan.zero == 0:
-                reduce = hw.collective_seconds("all_reduce", grad_bytes, plan.dp, span)
+                reduce = collectives("all_reduce", grad_bytes)
                 dp_comm = _exposed(hw, "all_reduce", reduce, window, grad_bytes, plan.bucket_bytes)
             else:
-                reduce = hw.collective_seconds("reduce_scatter", grad_bytes, plan.dp, span)
-                dp_comm = _exposed(hw, "reduce_scatter", reduce, window, grad_bytes, plan.bucket_bytes)
+                reduce = collectives("reduce_scatter", grad_bytes)
+                dp_comm = _exposed(hw, "reduce_scatter", reduce, window, grad_bytes, grad_bytes / calls)
                 if plan.zero < 3:  # the updated shards gathered back after the step: nothing to hide behind
-                    dp_comm += hw.collective_seconds("all_gather", params, plan.dp, span)
+                    dp_comm += collectives("all_gather", params)
             if plan.zero == 3:
                 largest = max(s.largest for s in stages)
-                gathers = 2 * plan.microbatches * hw.collective_seconds("all_gather", params, plan.dp, span)
+                gathers = 2 * plan.microbatches * collectives("all_gather", params)
                 first = hw.collective_seconds("all_gather", largest, plan.dp, span)
                 zero3 = _exposed(hw, "all_gather", gathers, compute, gathers, 0) + first
         shard = plan.dp if plan.zero >= 1 else 1

@@ -123,6 +123,7 @@ class PartAtDegree:
     param_bytes: int  # what one rank holds (its shards)
     param_elements: int
     largest_param_bytes: int  # the most one ZeRO-3 gather brings at once (this part's local parameters)
+    gather_groups: int  # ZeRO-3 flat groups among its parameters (one per layer): a gather and a reduce-scatter each
     sharded: bool  # the rewrite sharded at least one weight
     boundary_bytes: sympy.Expr  # what it hands to the next part (a pipeline send)
     degree: int
@@ -206,10 +207,10 @@ def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) 
     tp_fwd = tp_bwd = 0.0
     for c in part.comms:
         full = max(_value(c.nbytes_in, sizes), _value(c.nbytes_out, sizes))
-        if c.forward:
-            tp_fwd += hw.collective_seconds(c.forward, full, part.degree)
+        if c.forward:  # synchronous: each waits for the last rank to arrive
+            tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync_wait
         if c.backward:
-            tp_bwd += hw.collective_seconds(c.backward, full, part.degree)
+            tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync_wait
     return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
 
 
@@ -254,12 +255,14 @@ def _matmul_dims(node: fx.Node) -> tuple[sympy.Expr, ...]:
 
 def _local_params(
     gm: fx.GraphModule, owned: frozenset[str], owners: dict[str, str]
-) -> tuple[int, int, int, tuple[tuple[str, str, int, int], ...]]:
+) -> tuple[int, int, int, int, tuple[tuple[str, str, int, int], ...]]:
     """Bytes and elements of the parameters this part owns (a tied one counts in the part that first reads it),
-    the most one gather brings, and the tied ones it reads (``owners``: their owning parts)."""
+    the most one gather brings, the layers they belong to (ZeRO-3's groups, as passes/zero_groups forms them),
+    and the tied ones it reads (``owners``: their owning parts)."""
     total = elements = 0
     tied = []
     seen = set()
+    layers = set()
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target in seen or (node.target not in owned and node.target not in owners):
             continue
@@ -271,9 +274,10 @@ def _local_params(
         n, nbytes = int(evaluate_expr(t.numel, {})), int(evaluate_expr(t.nbytes, {}))
         if node.target in owned:
             total, elements = total + nbytes, elements + n
+            layers.add(get_layer(node))
         else:
             tied.append((str(node.target), owners[node.target], nbytes, n))
-    return total, elements, total, tuple(tied)
+    return total, elements, total, len(layers), tuple(tied)
 
 
 def _comms(gm: fx.GraphModule) -> tuple[Comm, ...]:
@@ -314,12 +318,14 @@ def _profile_part(
         passes.run_pass(passes.tp_rewrite.PASS, g, degree, sp)
         passes.run_pass(passes.cost_model.PASS, g)  # FLOPs of the local shapes
     works, comms = _works(g), _comms(g)
-    param_bytes, elements, largest, tied = _local_params(g, owned, owners)
+    param_bytes, elements, largest, groups, tied = _local_params(g, owned, owners)
     out_node = next(n for n in g.graph.nodes if n.op == "output")
     boundary = sympy.Add(
         *(get_shape(v).nbytes for v in out_node.args[0] if isinstance(v, fx.Node) and get_shape(v).requires_grad)
     )
-    return PartAtDegree(works, comms, param_bytes, elements, largest, sharded, boundary, degree, g, kernels, tied)
+    return PartAtDegree(
+        works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels, tied
+    )
 
 
 @dataclass

@@ -99,3 +99,58 @@ def simulate(
         if not progressed:
             break  # a custom schedule that deadlocks: compile names the rule it breaks
     return max(free), busy, tuple(tuple(r) for r in rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def simulate_shared(
+    schedule: Schedule, stages: tuple[StageCost, ...], cores: float, copies: int, timeline: bool = False
+) -> tuple[float, list[float], tuple]:
+    """``simulate`` on ranks that share ``cores`` cores (CPU ranks on one machine): the stage costs are one
+    rank's alone, and every action computing at a moment proceeds at min(1, cores / computing), where
+    ``copies`` ranks run each pipeline rank's actions in step (dp x tp per stage). A pipeline's ranks then
+    compute faster while the others wait in the bubble, as they do on shared cores."""
+    steps = table(schedule)
+    forward = [s.forward for s in stages]
+    backward = [s.backward for s in stages]
+    send = [s.send for s in stages]
+    finish = [-1.0] * len(steps.labels)
+    pp = len(steps.ranks)
+    busy, cursor = [0.0] * pp, [0] * pp
+    rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
+    running: dict[int, list[float]] = {}  # rank -> [action index, work left, start]
+    now = 0.0
+    while True:
+        waits = []  # when actions whose input is on its way can start
+        for rank in range(pp):
+            if rank in running or cursor[rank] >= len(steps.ranks[rank]):
+                continue
+            index, stage, is_forward, need, link = steps.ranks[rank][cursor[rank]]
+            if need >= 0:
+                if finish[need] < 0:
+                    continue
+                ready = finish[need] + (send[link] if link >= 0 else 0.0)
+                if ready > now * (1 + 1e-12):
+                    waits.append(ready)
+                    continue
+            running[rank] = [index, forward[stage] if is_forward else backward[stage], now]
+        if not running:
+            if not waits:
+                break  # done, or a custom schedule that deadlocks: compile names the rule it breaks
+            now = min(waits)
+            continue
+        rate = min(1.0, cores / (copies * len(running)))
+        step = min(work for _, work, _ in running.values()) / rate
+        if waits:
+            step = min(step, min(waits) - now)
+        now += step
+        for rank in list(running):
+            index, work, start = running[rank]
+            busy[rank] += step
+            running[rank][1] = work - step * rate
+            if running[rank][1] <= 1e-12 * max(1.0, work):
+                finish[int(index)] = now
+                if timeline:
+                    rows[rank].append((steps.labels[int(index)], start, now))
+                cursor[rank] += 1
+                del running[rank]
+    return now, busy, tuple(tuple(r) for r in rows)
