@@ -434,4 +434,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_dp_runtime.py"],
         "k": "share_their_process_groups",
     },
+    {
+        "name": "57_zero3_costed_as_one_bucket_of_calls",
+        "file": "autoshard/planner/costing.py",
+        "why": "ZeRO-3's gathers and reduce-scatters are costed as few calls as DP's buckets, not one per layer group",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "each_gather_group",
+    },
+    {
+        "name": "58_shared_ranks_never_compute_faster",
+        "file": "autoshard/planner/simulate.py",
+        "why": "ranks that share processors compute at their share even while the pipeline's other ranks wait",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "share_processors",
+    },
 ]
