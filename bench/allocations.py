@@ -19,8 +19,11 @@ _KEEP = {"MALLOC_MMAP_THRESHOLD_": 2**30, "MALLOC_TRIM_THRESHOLD_": 2**31 - 1}
 
 def allocation_trace(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     """fn's result, the bytes it left allocated, and the peak above the start while it ran."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage of earlier work freed inside the trace would count against fn's allocations
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = prof.profiler.kineto_results.events()
