@@ -281,8 +281,8 @@ class Costing:
 
     def _memory(self, plan: Plan, stages: list[_Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
         """The most loaded rank's memory, and its activation bytes per row of the global batch."""
-        best: Memory | None = None
-        per_row = 0.0
+        best: tuple[int, ...] = ()
+        most, per_row = -1, 0.0
         for rank, group in enumerate(_by_rank(stages, plan.pp)):
             params = sum(s.params for s in group)
             elements = sum(s.elements for s in group)
@@ -311,14 +311,12 @@ class Costing:
             buffers = 0  # gradients are views of their buckets; a reduce_dtype copies one bucket at a time
             if plan.dp > 1 and plan.reduce_dtype is not None:
                 buffers = min(int(plan.bucket_bytes), elements * _itemsize(plan.reduce_dtype))
-            memory = Memory(
-                weights=int(weights), gradients=int(grads), optimizer=int(optimizer), masters=int(masters),
-                activations=int(activations), gathered=int(gathered), buffers=int(buffers),
-            )  # fmt: skip
-            if best is None or memory.total > best.total:
-                best, per_row = memory, activations / max(1, micro * plan.dp * plan.microbatches)
-        assert best is not None
-        return best, per_row
+            # Memory's fields in order; the Memory itself built for the most loaded rank only (the search's hot path)
+            memory = tuple(int(x) for x in (weights, grads, optimizer, masters, activations, gathered, buffers))
+            if sum(memory) > most:
+                best, most = memory, sum(memory)
+                per_row = activations / max(1, micro * plan.dp * plan.microbatches)
+        return Memory(*best), per_row
 
     def _recompute_flops(self, plan: Plan, micro: int) -> float:
         """FLOPs recomputation repeats in one step, over every rank."""

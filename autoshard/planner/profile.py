@@ -14,6 +14,7 @@ Everything stays symbolic in the model's sizes (B, S); ``PartAtDegree.times`` ev
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -182,7 +183,16 @@ class PartAtDegree:
 
 
 def _value(expr: Any, sizes: dict[str, int]) -> float:
-    return float(evaluate_expr(expr, sizes)) if isinstance(expr, sympy.Basic) else float(expr)
+    if not isinstance(expr, sympy.Basic):
+        return float(expr)
+    return _evaluated(expr, tuple(sorted((s.name, sizes.get(s.name)) for s in expr.free_symbols)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _evaluated(expr: sympy.Basic, values: tuple[tuple[str, int | None], ...]) -> float:
+    # The same few expressions (B*S*h, ...) at the same sizes recur across parts, degrees and plans; sympy's
+    # substitution was a fifth of a 1024-rank search.
+    return float(evaluate_expr(expr, {name: value for name, value in values if value is not None}))
 
 
 def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:

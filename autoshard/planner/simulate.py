@@ -13,7 +13,7 @@ from typing import Protocol
 
 from autoshard.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 
-__all__ = ["StageCost", "built", "simulate", "table"]
+__all__ = ["StageCost", "built", "labels", "simulate", "simulate_shared", "table"]
 
 
 class StageCost(Protocol):
@@ -41,23 +41,64 @@ class Table:
     action it receives from or -1, the stage whose boundary the transfer crosses or -1)."""
 
     ranks: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
-    labels: tuple[str, ...]
     in_flight: tuple[int, ...]
+    # Every action once as (rank, index, cost slot, need, link), each after the one it needs and after its
+    # rank's previous one: times follow from that order alone, so a simulation is one pass over it. The
+    # cost slot indexes forwards then backwards; need and link are -1 where there is none, which reads the
+    # zero appended to the finish times and the sends.
+    order: tuple[tuple[int, int, int, int, int], ...]
 
 
 @functools.lru_cache(maxsize=1024)
 def table(schedule: Schedule) -> Table:
-    index = {a: i for i, a in enumerate(a for actions in schedule.ranks for a in actions)}
-    rows = []
+    # Actions keyed as plain tuples and what each needs worked out inline (Action.needs): a 1024-rank search
+    # builds tables of a million actions.
+    keys = [(a.stage, a.kind, a.microbatch) for actions in schedule.ranks for a in actions]
+    index = {key: i for i, key in enumerate(keys)}
+    last, pp = schedule.n_stages - 1, schedule.pp
+    rows, i = [], 0
     for rank, actions in enumerate(schedule.ranks):
         row = []
-        for action in actions:
-            need = action.needs(schedule.n_stages)
-            remote = need is not None and schedule.rank_of(need.stage) != rank
-            link = min(action.stage, need.stage) if remote else -1
-            row.append((index[action], action.stage, action.kind == "F", index[need] if need else -1, link))
+        for _ in actions:
+            stage, kind, microbatch = keys[i]
+            if kind == "F":
+                need = (stage - 1, "F", microbatch) if stage > 0 else None
+            else:
+                need = (stage, "F", microbatch) if stage == last else (stage + 1, "B", microbatch)
+            link = min(stage, need[0]) if need is not None and need[0] % pp != rank else -1
+            row.append((i, stage, kind == "F", index[need] if need is not None else -1, link))
+            i += 1
         rows.append(tuple(row))
-    return Table(tuple(rows), tuple(str(a) for a in index), tuple(schedule.peak_in_flight()))
+    return Table(tuple(rows), tuple(schedule.peak_in_flight()), _order(rows, i, schedule.n_stages))
+
+
+@functools.lru_cache(maxsize=64)
+def labels(schedule: Schedule) -> tuple[str, ...]:
+    """Each action's name, in the table's index order (for timelines)."""
+    return tuple(str(a) for actions in schedule.ranks for a in actions)
+
+
+def _order(
+    rows: list[tuple[tuple[int, int, bool, int, int], ...]], count: int, n_stages: int
+) -> tuple[tuple[int, ...], ...]:
+    """The actions in an order that runs each one after what it needs (a schedule that deadlocks: the
+    actions before the deadlock; compile names the rule it breaks)."""
+    done = [False] * count
+    cursor = [0] * len(rows)
+    order = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in enumerate(rows):
+            c = cursor[rank]
+            while c < len(actions) and (actions[c][3] < 0 or done[actions[c][3]]):
+                index, stage, is_forward, need, link = actions[c]
+                order.append((rank, index, stage if is_forward else n_stages + stage, need, link))
+                done[index] = True
+                c += 1
+                progressed = True
+            cursor[rank] = c
+    return tuple(order)
 
 
 @functools.lru_cache(maxsize=8192)  # plans that differ only in ZeRO stage or offload share their stages
@@ -67,37 +108,22 @@ def simulate(
     """Run the schedule's action table with each stage's costs: (makespan, busy seconds per rank, and with
     ``timeline`` per rank its (action, start, end))."""
     steps = table(schedule)
-    forward = [s.forward for s in stages]
-    backward = [s.backward for s in stages]
-    send = [s.send for s in stages]
-    finish = [-1.0] * len(steps.labels)
+    cost = [s.forward for s in stages] + [s.backward for s in stages]
+    send = [s.send for s in stages] + [0.0]
+    names = labels(schedule) if timeline else ()
+    finish = [0.0] * (sum(len(r) for r in steps.ranks) + 1)  # the last: the zero of no need
     pp = len(steps.ranks)
-    free, busy, cursor = [0.0] * pp, [0.0] * pp, [0] * pp
+    free, busy = [0.0] * pp, [0.0] * pp
     rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
-    remaining = sum(len(r) for r in steps.ranks)
-    while remaining:
-        progressed = False
-        for rank in range(pp):
-            actions, c = steps.ranks[rank], cursor[rank]
-            while c < len(actions):
-                index, stage, is_forward, need, link = actions[c]
-                ready = 0.0
-                if need >= 0:
-                    if finish[need] < 0:
-                        break
-                    ready = finish[need] + (send[link] if link >= 0 else 0.0)
-                duration = forward[stage] if is_forward else backward[stage]
-                start = free[rank] if free[rank] > ready else ready
-                free[rank] = finish[index] = start + duration
-                busy[rank] += duration
-                if timeline:
-                    rows[rank].append((steps.labels[index], start, start + duration))
-                c += 1
-                remaining -= 1
-                progressed = True
-            cursor[rank] = c
-        if not progressed:
-            break  # a custom schedule that deadlocks: compile names the rule it breaks
+    for rank, index, slot, need, link in steps.order:
+        start, ready = free[rank], finish[need] + send[link]
+        if ready > start:
+            start = ready
+        duration = cost[slot]
+        free[rank] = finish[index] = start + duration
+        busy[rank] += duration
+        if timeline:
+            rows[rank].append((names[index], start, start + duration))
     return max(free), busy, tuple(tuple(r) for r in rows)
 
 
@@ -113,7 +139,8 @@ def simulate_shared(
     forward = [s.forward for s in stages]
     backward = [s.backward for s in stages]
     send = [s.send for s in stages]
-    finish = [-1.0] * len(steps.labels)
+    names = labels(schedule) if timeline else ()
+    finish = [-1.0] * sum(len(r) for r in steps.ranks)
     pp = len(steps.ranks)
     busy, cursor = [0.0] * pp, [0] * pp
     rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
@@ -150,7 +177,7 @@ def simulate_shared(
             if running[rank][1] <= 1e-12 * max(1.0, work):
                 finish[int(index)] = now
                 if timeline:
-                    rows[rank].append((steps.labels[int(index)], start, now))
+                    rows[rank].append((names[int(index)], start, now))
                 cursor[rank] += 1
                 del running[rank]
     return now, busy, tuple(tuple(r) for r in rows)
