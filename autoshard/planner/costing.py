@@ -313,8 +313,9 @@ class Costing:
                 buffers = min(int(plan.bucket_bytes), elements * _itemsize(plan.reduce_dtype))
             # Memory's fields in order; the Memory itself built for the most loaded rank only (the search's hot path)
             memory = tuple(int(x) for x in (weights, grads, optimizer, masters, activations, gathered, buffers))
-            if sum(memory) > most:
-                best, most = memory, sum(memory)
+            total = sum(memory)
+            if total > most:
+                best, most = memory, total
                 per_row = activations / max(1, micro * plan.dp * plan.microbatches)
         return Memory(*best), per_row
 

@@ -185,14 +185,14 @@ class PartAtDegree:
 def _value(expr: Any, sizes: dict[str, int]) -> float:
     if not isinstance(expr, sympy.Basic):
         return float(expr)
-    return _evaluated(expr, tuple(sorted((s.name, sizes.get(s.name)) for s in expr.free_symbols)))
+    return _evaluated(expr, tuple(sorted(sizes.items())))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _evaluated(expr: sympy.Basic, values: tuple[tuple[str, int | None], ...]) -> float:
+def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
     # The same few expressions (B*S*h, ...) at the same sizes recur across parts, degrees and plans; sympy's
     # substitution was a fifth of a 1024-rank search.
-    return float(evaluate_expr(expr, {name: value for name, value in values if value is not None}))
+    return float(evaluate_expr(expr, dict(sizes)))
 
 
 def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:

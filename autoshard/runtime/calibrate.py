@@ -58,10 +58,10 @@ def _seconds(
 ) -> float:
     """Seconds one call of ``fn`` takes: the fastest of ``repeat`` timings after a warm-up, each of enough
     calls to last ``least`` seconds (on a machine shared with other work, that work only ever adds to a
-    timing). Under a process group
-    every rank starts each timing together, so ranks that share a machine's cores measure the share of them
-    they get while training; ``group``: the ranks that run ``fn`` together (a collective's), default the
-    whole measured group; ``clock``: what is timed (``time.process_time``: this process's CPU time)."""
+    timing). Under a process group every rank starts each timing together, so ranks that share a machine's
+    cores measure the share of them they get while training; ``group``: the ranks that run ``fn`` together
+    (a collective's), default the whole measured group; ``clock``: what is timed (``time.process_time``:
+    this process's CPU time)."""
     together = group if group is not None else _TOGETHER[0]
 
     def sync() -> None:
