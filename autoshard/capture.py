@@ -7,6 +7,7 @@ names, prefixed ``model.``.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import traceback
@@ -20,6 +21,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from autoshard.capture_blocks import RepeatedBlocks, find_repeated_blocks, trace_stamped
 from autoshard.capture_regions import inline_grad_regions, recording_checkpoints
 from autoshard.errors import AutoshardError, CaptureError, InputError
 
@@ -112,6 +114,7 @@ class Captured:
     state_keys: tuple[str, ...]
     model_name: str
     seconds: float
+    stamped_blocks: RepeatedBlocks | None = None  # traced two and three deep, the others stamped
 
 
 def _extract_loss(out: Any) -> torch.Tensor:
@@ -266,6 +269,45 @@ def _strip_export_wrapping(ep_module: fx.GraphModule, name: str = "the model") -
     return gm
 
 
+def _trace(
+    model: nn.Module, loss_fn: Any, call: CallSpec, flat: list[torch.Tensor], batch: int, seq: int | None
+) -> tuple[fx.GraphModule, tuple[Any, ...]]:
+    """One torch.export trace of the model and its loss: the graph, and (the sequence length kept
+    dynamic or None, the output's structure)."""
+    traced: dict[str, Any] = {}
+    wrapper = _ModelWithLoss(model, loss_fn, call, traced.update)
+    name = type(model).__name__
+    attempts = [seq, None] if seq is not None else [None]
+    ep = None
+    error: BaseException | None = None
+    for seq_attempt in attempts:
+        try:
+            with recording_checkpoints():
+                ep = torch.export.export(
+                    wrapper, (tuple(flat),), dynamic_shapes=_dynamic_shapes(flat, batch, seq_attempt), strict=False
+                )
+            seq = seq_attempt
+            break
+        except Exception as err:  # noqa: BLE001 - reported below with the model's failing line
+            own = _autoshard_error_in_chain(err)
+            if own is not None:
+                raise own from None
+            error = err
+    if ep is None:
+        assert error is not None
+        summary = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
+        where = _user_frame(error) or "(no frame of the model's own code in the traceback)"
+        raise CaptureError(
+            f"autoshard could not capture {name} with torch.export (non-strict, batch dimension dynamic): "
+            f"{type(error).__name__}: {summary}\n  failing source: {where}\n"
+            f"  try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), pass "
+            f"constant arguments through example_kwargs (e.g. use_cache=False for HF models), and check "
+            f"that the model runs eagerly on example_inputs"
+        ) from error
+    gm = _strip_export_wrapping(ep.module(), name)
+    return gm, (seq, traced["output_spec"], traced["output_is_tensor"])
+
+
 def capture(
     model: nn.Module,
     example_inputs: Any,
@@ -308,45 +350,21 @@ def capture(
     first = flat[0]
     seq = first.shape[1] if first.dim() >= 2 and not first.dtype.is_floating_point and first.shape[1] >= 2 else None
 
-    traced: dict[str, Any] = {}
-    wrapper = _ModelWithLoss(model, loss_fn, call, traced.update)
     name = type(model).__name__
     was_training = model.training
     model.train()
     start = time.perf_counter()
-    attempts = [seq, None] if seq is not None else [None]
-    ep = None
-    error: BaseException | None = None
+    trace = functools.partial(_trace, model, loss_fn, call, flat, batch, seq)
+    params = list(model.parameters())
+    # Weights on the meta device: the model only plans, so its repeated blocks may be traced once and stamped.
+    blocks = find_repeated_blocks(model) if params and all(p.is_meta for p in params) else None
     try:
-        for seq_attempt in attempts:
-            try:
-                with recording_checkpoints():
-                    ep = torch.export.export(
-                        wrapper, (tuple(flat),), dynamic_shapes=_dynamic_shapes(flat, batch, seq_attempt), strict=False
-                    )
-                seq = seq_attempt
-                break
-            except Exception as err:  # noqa: BLE001 - reported below with the model's failing line
-                own = _autoshard_error_in_chain(err)
-                if own is not None:
-                    raise own from None
-                error = err
+        stamped = trace_stamped(model, blocks, trace) if blocks is not None else None
+        gm, (seq, output_spec, output_is_tensor) = stamped if stamped is not None else trace()
     finally:
         model.train(was_training)
-    if ep is None:
-        assert error is not None
-        summary = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
-        where = _user_frame(error) or "(no frame of the model's own code in the traceback)"
-        raise CaptureError(
-            f"autoshard could not capture {name} with torch.export (non-strict, batch dimension dynamic): "
-            f"{type(error).__name__}: {summary}\n  failing source: {where}\n"
-            f"  try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), pass "
-            f"constant arguments through example_kwargs (e.g. use_cache=False for HF models), and check "
-            f"that the model runs eagerly on example_inputs"
-        ) from error
     seconds = time.perf_counter() - start
 
-    gm = _strip_export_wrapping(ep.module(), name)
     rename: dict[sympy.Symbol, sympy.Symbol] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = _dynamic_shapes(flat, batch, seq)[0]
@@ -363,8 +381,8 @@ def capture(
         tensor_kwargs=call.tensor_kwargs,
         const_kwargs=call.const_kwargs,
         target_spec=call.target_spec,
-        output_spec=traced["output_spec"],
-        output_is_tensor=traced["output_is_tensor"],
+        output_spec=output_spec,
+        output_is_tensor=output_is_tensor,
     )
     return Captured(
         gm=gm,
@@ -374,4 +392,5 @@ def capture(
         state_keys=tuple(model.state_dict(keep_vars=True).keys()),
         model_name=name,
         seconds=seconds,
+        stamped_blocks=blocks if stamped is not None else None,
     )
