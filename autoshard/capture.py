@@ -116,6 +116,13 @@ class Captured:
     seconds: float
     stamped_blocks: RepeatedBlocks | None = None  # traced two and three deep, the others stamped
 
+    def __str__(self) -> str:
+        how = ""
+        if self.stamped_blocks is not None:
+            blocks = self.stamped_blocks
+            how = f" ({blocks.path} traced 2 and 3 blocks deep, stamped to all {blocks.count})"
+        return f"{self.model_name} in {self.seconds:.2f}s{how}: {len(self.gm.graph.nodes)} nodes"
+
 
 def _extract_loss(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):

@@ -200,7 +200,7 @@ def analyse_for_planning(
         )
     captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
     gm, sizes = captured.gm, captured.example_sizes
-    log.info("captured %s in %.2fs: %d nodes", captured.model_name, captured.seconds, len(gm.graph.nodes))
+    log.info("captured %s", captured)
     results = passes.analyze(gm, captured.rename)
     cost = summarize(gm)
     _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
@@ -357,7 +357,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         schedule=schedule, tp_report=tp_report, template=template, opt_groups=opt_groups, stages_of=stages_of,
         master_values=master_values, timeout=float(timeout), masks=masks, rng_state=rng_state,
         log_every=log_every or 0, torch_compile=request,
-        analysis_log=[f"capture: {captured.model_name} in {captured.seconds:.2f}s"] + [str(r) for r in results],
+        analysis_log=[f"capture: {captured}"] + [str(r) for r in results],
     )  # fmt: skip
     return Program(compiled, optimizer)
 

@@ -59,6 +59,7 @@ def test_stamped_graph_is_the_full_trace(
     _, stamped, full = captures
     assert stamped.stamped_blocks is not None and stamped.stamped_blocks.count == MIN_BLOCKS
     assert full.stamped_blocks is None
+    assert f"traced 2 and 3 blocks deep, stamped to all {MIN_BLOCKS}" in str(stamped)
     assert first_difference(full.gm, stamped.gm) is None
     assert (stamped.rename, stamped.example_sizes, stamped.call) == (full.rename, full.example_sizes, full.call)
     shapes = {name: (p.shape, p.dtype) for name, p in full.gm.named_parameters()}
