@@ -448,4 +448,21 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "share_processors",
     },
+    {
+        "name": "59_blocks_configured_apart_stamped",
+        "file": "autoshard/capture_blocks.py",
+        "why": "blocks whose attributes differ (sliding-window layers every few blocks) are stamped as copies",
+        "tests": ["tests/test_capture_blocks.py"],
+        "k": "configured_apart",
+    },
+    {
+        "name": "60_stamped_blocks_read_the_last_traced_block",
+        "file": "autoshard/capture_blocks.py",
+        "why": (
+            "every stamped block reads the last traced block's output instead of the block before it (a check "
+            "against a three-block trace cannot see it: only the stamped depth can)"
+        ),
+        "tests": ["tests/test_capture_blocks.py"],
+        "k": "full_trace",
+    },
 ]
