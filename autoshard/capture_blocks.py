@@ -38,7 +38,6 @@ MIN_BLOCKS = 8  # below this a full trace is cheap, and stamping would save litt
 _TRACED = (2, 3)  # blocks traced: the copy of block 1 is checked against the traced block 2
 # The capture wrapper holds the user's model as its submodule ``model``.
 _MODEL_PREFIX = "model."
-_META_COMPARED = ("nn_module_stack", USER_RECOMPUTE)
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
 
 
@@ -165,8 +164,8 @@ def stamp(
 ) -> fx.GraphModule | None:
     """``gm``, traced with ``traced`` blocks, with its last block copied onto blocks ``traced .. count-1``
     (in place, the new blocks' parameters taken from ``model``). Each copy reads the copy before it where
-    the last block read the block before it, and what came after the blocks reads the last copy. None (``gm`` untouched)
-    where the last two blocks do not run back to back, node for node alike."""
+    the last block read the block before it, and what came after the blocks reads the last copy. None
+    (``gm`` untouched) where the last two blocks do not run back to back, node for node alike."""
     prefix = blocks.graph_prefix
     graph = gm.graph
     last, before = _segment(gm, prefix, traced - 1), _segment(gm, prefix, traced - 2)
@@ -197,7 +196,10 @@ def stamp(
 
         def lookup(arg: fx.Node, attrs: dict[fx.Node, fx.Node] = attrs, copies: dict[fx.Node, fx.Node] = copies,
                    from_block_before: dict[fx.Node, fx.Node] = from_block_before) -> fx.Node:  # fmt: skip
-            return copies.get(arg) or from_block_before.get(arg) or attrs.get(arg) or arg
+            for table in (copies, from_block_before, attrs):
+                if arg in table:
+                    return table[arg]
+            return arg  # computed before the blocks (positions, masks): shared by every block
 
         with graph.inserting_before(after_blocks):
             for node in last:
@@ -266,7 +268,7 @@ def _attach(gm: fx.GraphModule, model: nn.Module, target: str) -> None:
         if not hasattr(owner, part):
             owner.add_module(part, nn.Module())
         owner = getattr(owner, part)
-    value = model.get_submodule(".".join(path[1:])).__getattr__(name)
+    value = getattr(model.get_submodule(".".join(path[1:])), name)
     if isinstance(value, nn.Parameter):
         owner.register_parameter(name, value)
     else:
