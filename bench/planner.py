@@ -42,7 +42,7 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
 
 
 # Rounds before which the ranks calibrate again (compile used the first calibration, made before them).
-CALIBRATE_BEFORE = (2, 4, 6)
+CALIBRATE_BEFORE = (3, 6, 9)
 
 
 def _held(program: Any) -> int:
@@ -76,7 +76,9 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
     for round_ in range(steps):
         if round_ in CALIBRATE_BEFORE:  # calibrated again amid the rounds: the machine as they saw it
             calibrations.append(autoshard.Hardware.measure())
-        for i, (_, program, x, y) in enumerate(runs):
+        for k in range(len(runs)):  # each round starts at another plan: none is always first after a calibration
+            i = (round_ + k) % len(runs)
+            _, program, x, y = runs[i]
             torch.distributed.barrier()
             start = time.perf_counter()
             program.step(x, target=y)
@@ -123,7 +125,7 @@ def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware) -> li
     return out
 
 
-def bench_measured(report: Any = None, steps: int = 7) -> dict[str, Any]:
+def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
     with LocalRanks(4) as pool:
         per_rank = pool.run(_measure_rank, steps)
     rows = []
