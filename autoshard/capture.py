@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from autoshard.capture_blocks import RepeatedBlocks, find_repeated_blocks, trace_stamped
+from autoshard.capture_blocks import TRACED, RepeatedBlocks, find_repeated_blocks, trace_stamped
 from autoshard.capture_regions import inline_grad_regions, recording_checkpoints
 from autoshard.errors import AutoshardError, CaptureError, InputError
 
@@ -120,7 +120,8 @@ class Captured:
         how = ""
         if self.stamped_blocks is not None:
             blocks = self.stamped_blocks
-            how = f" ({blocks.path} traced 2 and 3 blocks deep, stamped to all {blocks.count})"
+            depths = " and ".join(map(str, TRACED))
+            how = f" ({blocks.path} traced {depths} blocks deep, stamped to all {blocks.count})"
         return f"{self.model_name} in {self.seconds:.2f}s{how}: {len(self.gm.graph.nodes)} nodes"
 
 

@@ -30,12 +30,14 @@ from torch.utils import _pytree as pytree
 
 from autoshard.meta import USER_RECOMPUTE
 
-__all__ = ["MIN_BLOCKS", "RepeatedBlocks", "first_difference", "find_repeated_blocks", "stamp", "trace_stamped"]
+__all__ = [
+    "MIN_BLOCKS", "TRACED", "RepeatedBlocks", "first_difference", "find_repeated_blocks", "stamp", "trace_stamped",
+]  # fmt: skip
 
 log = logging.getLogger("autoshard")
 
 MIN_BLOCKS = 8  # below this a full trace is cheap, and stamping would save little
-_TRACED = (2, 3)  # blocks traced: the copy of block 1 is checked against the traced block 2
+TRACED = (2, 3)  # blocks traced: the copy of block 1 is checked against the traced block 2
 # The capture wrapper holds the user's model as its submodule ``model``.
 _MODEL_PREFIX = "model."
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
@@ -128,20 +130,23 @@ def _truncated(model: nn.Module, blocks: RepeatedBlocks, keep: int) -> Iterator[
         module_list._modules = whole
 
 
+def _within(path: str, head: str) -> bool:
+    """``path`` is the module ``head`` or lies inside it (``layers.1.mlp`` in ``layers.1``, not ``layers.10``)."""
+    return path == head or path.startswith(head + ".")
+
+
 def _reindex(path: str, prefix: str, old: int, new: int) -> str:
     """``path`` moved from block ``old`` to block ``new`` when it lies in block ``old``."""
     head = f"{prefix}{old}"
-    if path == head or path.startswith(head + "."):
-        return f"{prefix}{new}{path[len(head) :]}"
-    return path
+    return f"{prefix}{new}{path[len(head) :]}" if _within(path, head) else path
 
 
 def _in_block(node: fx.Node, prefix: str, index: int) -> bool:
     head = f"{prefix}{index}"
     if node.op == "get_attr":
-        return isinstance(node.target, str) and node.target.startswith(head + ".")
+        return isinstance(node.target, str) and _within(node.target, head)
     stack = node.meta.get("nn_module_stack") or {}
-    return any(path == head or path.startswith(head + ".") for path, _ in stack.values())
+    return any(_within(path, head) for path, _ in stack.values())
 
 
 def _segment(gm: fx.GraphModule, prefix: str, index: int) -> list[fx.Node] | None:
@@ -212,10 +217,11 @@ def stamp(
                 if USER_RECOMPUTE in node.meta:
                     made.meta[USER_RECOMPUTE] = region_of.setdefault(node.meta[USER_RECOMPUTE], next(regions))
         from_block_before = {b: copies[a] for b, a in zip(before, last)}
-    for user in readers_after:
+    if copies:  # what came after the blocks reads the last copy
         for node in last:
-            if node in user.all_input_nodes and copies:
-                user.replace_input_with(node, copies[node])
+            for user in list(node.users):
+                if user in readers_after:
+                    user.replace_input_with(node, copies[node])
     graph.lint()
     gm.recompile()
     return gm
@@ -281,24 +287,24 @@ def trace_stamped(model: nn.Module, blocks: RepeatedBlocks, trace: Callable[[], 
     blocks; the three-block trace checked against the two-block one stamped, then stamped to every
     block. None when a trace fails or the check finds a difference: the caller traces in full."""
     try:
-        with _truncated(model, blocks, _TRACED[0]):
+        with _truncated(model, blocks, TRACED[0]):
             small, small_rest = trace()
-        with _truncated(model, blocks, _TRACED[1]):
+        with _truncated(model, blocks, TRACED[1]):
             larger, larger_rest = trace()
     except Exception as err:  # noqa: BLE001 - the full trace reports what is wrong with the model
-        log.info("capture: %s cut to %s blocks did not trace (%s); tracing all %d", blocks.path, _TRACED,
+        log.info("capture: %s cut to %s blocks did not trace (%s); tracing all %d", blocks.path, TRACED,
                  type(err).__name__, blocks.count)  # fmt: skip
         return None
     difference = "the outputs differ" if small_rest != larger_rest else None
     if difference is None:
         difference = (
             first_difference(larger, small)
-            if stamp(small, model, blocks, *_TRACED) is not None
+            if stamp(small, model, blocks, *TRACED) is not None
             else "blocks laid out apart"
         )
     if difference is not None:
         log.info("capture: blocks of %s are not copies (%s); tracing all %d", blocks.path, difference, blocks.count)
         return None
-    if stamp(larger, model, blocks, _TRACED[1], blocks.count) is None:
+    if stamp(larger, model, blocks, TRACED[1], blocks.count) is None:
         return None
     return larger, larger_rest
