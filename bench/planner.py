@@ -45,6 +45,18 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
 CALIBRATE_BEFORE = (3, 6, 9)
 
 
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch every plan trains on (and the planner predicts for): input ids and targets."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+    return ids, torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CFG["vocab"], CFG["dim"], CFG["heads"], CFG["layers"], CFG["seq"])
+
+
 def _held(program: Any) -> int:
     """Bytes the program holds between steps (parameters, gradients, optimizer state and masters)."""
     return sum(program.last_step_memory.values())
@@ -53,13 +65,10 @@ def _held(program: Any) -> int:
 def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     hardware = autoshard.Hardware.measure()
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
-    target = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+    ids, target = _batch()
     runs = []
     for name, mesh, plan in PLANS:
-        torch.manual_seed(0)
-        model = TinyGPT(CFG["vocab"], CFG["dim"], CFG["heads"], CFG["layers"], CFG["seq"])
+        model = _model()
         program = autoshard.compile(
             model, autoshard.Mesh(**mesh), (ids,), loss_fn=next_token_loss, example_target=target,
             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan, hardware=hardware,
@@ -112,13 +121,10 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware) -> list[Any]:
     """Each row's plan as the planner predicts it with ``hardware`` (offline: the same model and batch)."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
-    target = torch.randint(0, CFG["vocab"], (CFG["batch"], CFG["seq"]), generator=gen)
+    ids, target = _batch()
     out = []
     for row in rows:
-        torch.manual_seed(0)
-        model = TinyGPT(CFG["vocab"], CFG["dim"], CFG["heads"], CFG["layers"], CFG["seq"])
+        model = _model()
         fixed = autoshard.plan(model, autoshard.Mesh(**row["mesh"]), (ids,), loss_fn=next_token_loss,
                                example_target=target, hardware=hardware, plan=row["fixed"])  # fmt: skip
         out.append(fixed.chosen)
