@@ -185,3 +185,17 @@ def test_ops_left_undecomposed_are_lowered_to_their_kernels() -> None:
 
     table = _decompositions({"fallback_random": True})
     assert _KEPT_WHOLE and all(op not in table and op in lowerings for op in _KEPT_WHOLE)
+
+
+def test_every_program_of_a_process_is_compiled(monkeypatch) -> None:
+    """Dynamo keeps compiled code per code object and stops compiling one after its recompile limit (8), running
+    it eagerly from then on: a wrapper shared by every program would drop the request of a process's ninth
+    compiled program. With the limit at 1, the second program shows whether any code object is shared."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    for _ in range(3):
+        case = build_case("mlp")
+        program = compile_with(case, {"dp": 1}, {}, torch_compile=True, backend="aot_eager")
+        program.step(*case.batches[0].inputs, target=case.batches[0].target)
+        assert [g.kind for g in program.compiled_graphs] == ["forward", "backward"]

@@ -25,6 +25,7 @@ CommCounter each time it runs (forward after the call, backward when autograd re
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +214,12 @@ class _LossKeepsGrad(nn.Module):
     def __init__(self, gm: nn.Module) -> None:
         super().__init__()
         self.gm = gm
+        # A forward with a code object of its own: dynamo keeps its compiled code per code object, and one
+        # shared by every program would reach its recompile limit at a process's ninth compiled program
+        # (the graph's type differs each time), which would then run eagerly, the request dropped.
+        forward = type(self).forward
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__)
+        self.forward = types.MethodType(own, self)
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
         loss, *outputs = self.gm(*args)
