@@ -199,3 +199,10 @@ def test_every_program_of_a_process_is_compiled(monkeypatch) -> None:
         program = compile_with(case, {"dp": 1}, {}, torch_compile=True, backend="aot_eager")
         program.step(*case.batches[0].inputs, target=case.batches[0].target)
         assert [g.kind for g in program.compiled_graphs] == ["forward", "backward"]
+
+    # Past the limit a request is refused at the first step, never dropped.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0)
+    case = build_case("mlp")
+    program = compile_with(case, {"dp": 1}, {}, torch_compile=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"compiled no graph of this rank in its first step: .*recompile_limit"):
+        program.step(*case.batches[0].inputs, target=case.batches[0].target)

@@ -132,6 +132,16 @@ class RankCompiler:
             module, backend=backend, dynamic=request.dynamic, fullgraph=request.fullgraph, options=options or None
         )
 
+    def check_compiled(self) -> None:
+        """After the first step: dynamo handed autoshard's backend a graph. Dynamo runs a frame eagerly, with
+        only a warning, past its recompile limit or where its errors are suppressed: the request would be dropped."""
+        if self.request.rewrites_graphs and not self.graphs:
+            raise RuntimeError(
+                f"{self.request} compiled no graph of this rank in its first step: dynamo ran them eagerly (its "
+                f"recompile limit reached, torch._dynamo.config.recompile_limit, or its errors suppressed); "
+                f"TORCH_LOGS=recompiles says why, or pass torch_compile=False to train eagerly"
+            )
+
     # ---- the backend --------------------------------------------------------------------------------
     def _backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()

@@ -333,6 +333,8 @@ class RankRuntime:
         if self.masks is not None:
             self.masks.end()
         holder.end()
+        if self.steps == 0 and self.compiler is not None:
+            self.compiler.check_compiled()
         self._sum_over_model()
         counted = holder.grad_views(self._counts_in_norm)
         scaled = holder.grad_views(lambda p: True)
