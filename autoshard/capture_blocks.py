@@ -64,9 +64,15 @@ def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], A
         out.append((key, (type(value).__name__, len(value))))
         return all(_leaves((*key, i), v, out) for i, v in enumerate(value))
     elif isinstance(value, dict):
-        if value:  # hooks, or per-block tables: not known to be alike
+        if not all(isinstance(k, str) for k in value):  # hooks, keyed by their handles: not known to be alike
             return False
-        out.append((key, ("dict", 0)))
+        out.append((key, ("dict", tuple(sorted(value)))))
+        return all(_leaves((*key, k), value[k], out) for k in sorted(value))
+    elif isinstance(value, nn.Module):  # held outside _modules (transformers' table of kernel functions)
+        signature = _signature(value)
+        if signature is None:
+            return False
+        out.extend(((*key, *k), v) for k, v in signature)
     else:
         out.append((key, ("id", id(value))))  # shared objects (the config, a function) must be the same object
     return True

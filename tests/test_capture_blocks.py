@@ -170,6 +170,26 @@ def test_blocks_alike_but_for_their_index_are_stamped() -> None:
     assert linears == [f"model.blocks.{i}.linear.weight" for i in range(MIN_BLOCKS)]
 
 
+def test_tables_of_functions_are_compared_and_hooks_refused() -> None:
+    # transformers (5.25) keeps each attention's kernel functions in a dict of modules outside _modules:
+    # alike when every block's table holds the same names and alike modules; a hook (keyed by its handle)
+    # is not known to be alike.
+    def stack() -> _Stack:
+        with torch.device("meta"):
+            model = _Stack([_Block(0) for _ in range(MIN_BLOCKS)])
+        for block in model.blocks:
+            block.kernels = {"activation": nn.ReLU()}
+        return model
+
+    assert find_repeated_blocks(stack()) is not None
+    model = stack()
+    model.blocks[3].kernels = {"activation": nn.GELU()}
+    assert find_repeated_blocks(model) is None
+    model = stack()
+    model.blocks[3].register_forward_hook(lambda module, args, out: out)
+    assert find_repeated_blocks(model) is None
+
+
 def test_models_with_weights_and_short_lists_are_traced_in_full() -> None:
     model = _Stack([_Block(0) for _ in range(MIN_BLOCKS)])  # real weights: the graph runs, so it is traced
     assert capture(model, (torch.zeros(4, 8),)).stamped_blocks is None
