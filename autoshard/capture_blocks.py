@@ -56,6 +56,9 @@ class RepeatedBlocks:
         return f"{_MODEL_PREFIX}{self.path}."
 
 
+_VISITING: set[int] = set()  # modules whose signature is being taken, held outside _modules
+
+
 def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], Any]]) -> bool:
     """``value`` as comparable leaves under ``key``; False when it cannot be compared (the blocks differ)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
@@ -69,7 +72,13 @@ def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], A
         out.append((key, ("dict", tuple(sorted(value)))))
         return all(_leaves((*key, k), value[k], out) for k in sorted(value))
     elif isinstance(value, nn.Module):  # held outside _modules (transformers' table of kernel functions)
-        signature = _signature(value)
+        if id(value) in _VISITING:  # a module reached again (a reference back to a parent): not known alike
+            return False
+        _VISITING.add(id(value))
+        try:
+            signature = _signature(value)
+        finally:
+            _VISITING.discard(id(value))
         if signature is None:
             return False
         out.extend(((*key, *k), v) for k, v in signature)

@@ -188,6 +188,10 @@ def test_tables_of_functions_are_compared_and_hooks_refused() -> None:
     model = stack()
     model.blocks[3].register_forward_hook(lambda module, args, out: out)
     assert find_repeated_blocks(model) is None
+    model = stack()  # each block keeps a reference back to the model, outside _modules: refused, not recursed
+    for block in model.blocks:
+        block.kernels = {"owner": model}
+    assert find_repeated_blocks(model) is None
 
 
 def test_models_with_weights_and_short_lists_are_traced_in_full() -> None:
