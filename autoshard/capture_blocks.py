@@ -56,29 +56,23 @@ class RepeatedBlocks:
         return f"{_MODEL_PREFIX}{self.path}."
 
 
-_VISITING: set[int] = set()  # modules whose signature is being taken, held outside _modules
-
-
-def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], Any]]) -> bool:
-    """``value`` as comparable leaves under ``key``; False when it cannot be compared (the blocks differ)."""
+def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], Any]], within: tuple[int, ...]) -> bool:
+    """``value`` as comparable leaves under ``key``; False when it cannot be compared (the blocks differ).
+    ``within``: the ids of the modules whose signatures are being taken."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         out.append((key, (type(value).__name__, value)))
     elif isinstance(value, (tuple, list)):
         out.append((key, (type(value).__name__, len(value))))
-        return all(_leaves((*key, i), v, out) for i, v in enumerate(value))
+        return all(_leaves((*key, i), v, out, within) for i, v in enumerate(value))
     elif isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):  # hooks, keyed by their handles: not known to be alike
             return False
         out.append((key, ("dict", tuple(sorted(value)))))
-        return all(_leaves((*key, k), value[k], out) for k in sorted(value))
+        return all(_leaves((*key, k), value[k], out, within) for k in sorted(value))
     elif isinstance(value, nn.Module):  # held outside _modules (transformers' table of kernel functions)
-        if id(value) in _VISITING:  # a module reached again (a reference back to a parent): not known alike
+        if id(value) in within:  # a module reached again (a reference back to a parent): not known alike
             return False
-        _VISITING.add(id(value))
-        try:
-            signature = _signature(value)
-        finally:
-            _VISITING.discard(id(value))
+        signature = _signature(value, within)
         if signature is None:
             return False
         out.extend(((*key, *k), v) for k, v in signature)
@@ -87,13 +81,14 @@ def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], A
     return True
 
 
-def _signature(block: nn.Module) -> list[tuple[tuple[Any, ...], Any]] | None:
+def _signature(block: nn.Module, within: tuple[int, ...] = ()) -> list[tuple[tuple[Any, ...], Any]] | None:
     """Everything about a block's module tree that can make its program differ from another block's."""
     out: list[tuple[tuple[Any, ...], Any]] = []
+    within = (*within, id(block))
     for name, module in block.named_modules():
         out.append(((name,), ("type", type(module))))
         for attr, value in sorted(vars(module).items()):
-            if attr not in _MODULE_STATE and not _leaves((name, attr), value, out):
+            if attr not in _MODULE_STATE and not _leaves((name, attr), value, out, within):
                 return None
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
             for key, t in table.items():
