@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autoshard.capture_blocks import TRACED, RepeatedBlocks, find_repeated_blocks, trace_stamped
 from autoshard.capture_regions import inline_grad_regions, recording_checkpoints
 from autoshard.errors import AutoshardError, CaptureError, InputError
+from autoshard.meta import MODEL_ATTR
 
 __all__ = ["CallSpec", "Captured", "capture"]
 
@@ -147,7 +148,7 @@ class _ModelWithLoss(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn: Any, call: CallSpec, record: Callable[..., None]) -> None:
         super().__init__()
-        self.model = model
+        self.add_module(MODEL_ATTR, model)
         self.loss_fn = loss_fn
         self.call = call
         # Called while torch.export traces forward; a callback because export restores module attributes.
@@ -157,7 +158,7 @@ class _ModelWithLoss(nn.Module):
         call = self.call
         args = flat[: call.n_args]
         kwargs = dict(zip(call.tensor_kwargs, flat[call.n_args : call.n_inputs]))
-        out = self.model(*args, **kwargs, **call.const_kwargs)
+        out = getattr(self, MODEL_ATTR)(*args, **kwargs, **call.const_kwargs)
         if self.loss_fn is None:
             loss = _extract_loss(out)
         else:

@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autoshard.meta import USER_RECOMPUTE
+from autoshard.meta import MODEL_PREFIX, USER_RECOMPUTE
 
 __all__ = [
     "MIN_BLOCKS", "TRACED", "RepeatedBlocks", "first_difference", "find_repeated_blocks", "stamp", "trace_stamped",
@@ -38,8 +38,6 @@ log = logging.getLogger("autoshard")
 
 MIN_BLOCKS = 8  # below this a full trace is cheap, and stamping would save little
 TRACED = (2, 3)  # blocks traced: the copy of block 1 is checked against the traced block 2
-# The capture wrapper holds the user's model as its submodule ``model``.
-_MODEL_PREFIX = "model."
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
 
 
@@ -53,7 +51,7 @@ class RepeatedBlocks:
     @property
     def graph_prefix(self) -> str:
         """The prefix of a block's module paths and parameter names in the captured graph."""
-        return f"{_MODEL_PREFIX}{self.path}."
+        return f"{MODEL_PREFIX}{self.path}."
 
 
 def _leaves(key: tuple[Any, ...], value: Any, out: list[tuple[tuple[Any, ...], Any]], within: tuple[int, ...]) -> bool:

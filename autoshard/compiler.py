@@ -23,7 +23,7 @@ from autoshard.cost import ModelCost, summarize
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.meta import evaluate_expr, get_stage
+from autoshard.meta import MODEL_PREFIX, evaluate_expr, get_stage
 from autoshard.placements import OnStages, ParamPlacement, Replicate, Shard
 from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.api import DEFAULT_HARDWARE, planning_sizes
@@ -301,7 +301,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         results.append(run_pass(passes.tp_placement.PASS, gm, chosen.tp, chosen.sequence_parallel, sizes))
         tp_report = results[-1].value
         if not any(isinstance(p, Shard) for p in tp_report.weights.values()):
-            reasons = "; ".join(f"{t.removeprefix('model.')}: {why}" for t, why in tp_report.replicated.items())
+            reasons = "; ".join(f"{t.removeprefix(MODEL_PREFIX)}: {why}" for t, why in tp_report.replicated.items())
             raise PlanError(
                 f"tp={chosen.tp} shards none of {captured.model_name}'s weights ({reasons or 'no matrix weights'}); "
                 f"use tp=1, or a tp degree that divides the model's heads and hidden sizes"

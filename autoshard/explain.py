@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoshard.meta import LAYER, get_layer
+from autoshard.meta import LAYER, MODEL_PREFIX, get_layer
 from autoshard.passes import tp_rewrite
 from autoshard.passes.infra import all_nodes
 from autoshard.placements import OnStages, Shard
 from autoshard.runtime import tp as tp_ops
 
 __all__ = ["explain", "fmt_count"]
-
-MODEL_PREFIX = "model."
 
 
 def fmt_count(value: int) -> str:

@@ -18,6 +18,8 @@ from autoshard.errors import MissingMetaError
 
 __all__ = [
     "MASK",
+    "MODEL_ATTR",
+    "MODEL_PREFIX",
     "MaskSpec",
     "RECOMPUTE",
     "SAVED",
@@ -55,6 +57,12 @@ __all__ = [
     "get_zero3_gather",
     "get_zero_group",
 ]
+
+# Every captured graph is the capture wrapper's (capture._ModelWithLoss), which holds the user's model as
+# its submodule ``model``: the model's parameters are get_attr targets ``model.<name>`` and its module
+# paths in nn_module_stack start with ``model``.
+MODEL_ATTR = "model"
+MODEL_PREFIX = MODEL_ATTR + "."
 
 # The node.meta keys, each written by one pass (PRODUCERS below).
 (

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard.capture import capture
-from autoshard.meta import PIPE, TP
+from autoshard.meta import MODEL_PREFIX, PIPE, TP
 from autoshard.node_values import (
     Recorder,
     join_over_tp,
@@ -45,8 +45,6 @@ from autoshard.node_values import (
 from autoshard.runtime.pipeline import split_microbatches
 
 __all__ = ["NodeCheck", "Reference", "VerifyReport", "check", "verify"]
-
-MODEL_PREFIX = "model."
 
 
 @dataclass(frozen=True)

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.meta import LAYER
+from autoshard.meta import LAYER, MODEL_ATTR
 
 from .infra import CALLS, Need, Pass, PassResult
 
-__all__ = ["MODEL_PREFIX", "PASS", "layer_of_path", "run"]
-
-# The capture wrapper holds the user's model as its submodule ``model``.
-MODEL_PREFIX = "model"
+__all__ = ["PASS", "layer_of_path", "run"]
 
 
 def layer_of_path(path: str) -> str:
     parts = path.split(".") if path else []
     if not parts:
         return "(loss)"
-    if parts[0] != MODEL_PREFIX:
+    if parts[0] != MODEL_ATTR:
         return "(loss)"  # a submodule of the loss function
     parts = parts[1:]
     if not parts:

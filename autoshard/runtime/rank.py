@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard.errors import InputError
-from autoshard.meta import GRAD_BUCKET, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
 from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.placements import ParamPlacement, Shard
@@ -46,7 +46,6 @@ from autoshard.runtime.zero import Zero3Holder
 
 __all__ = ["RankRuntime", "make_group", "shared_group"]
 
-MODEL_PREFIX = "model."
 TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
 
 
