@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from autoshard.errors import InputError
 from autoshard.placements import Shard
 from autoshard.runtime.chunks import Pieces, PiecesLoadPlanner, PiecesSavePlanner, SafeReader, TpSlice, pieces
+from autoshard.runtime.optim import IMPLEMENTATION_FLAGS
 
 __all__ = ["latest_checkpoint", "load", "resume", "save", "save_full"]
 
@@ -316,14 +317,18 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
                 f"the checkpoint's optimizer has {len(groups)} parameter groups, this program's "
                 f"{len(rt.optimizer.param_groups)}"
             )
+        # torch's rule for scalar state (the step count): on the host, except for fused or capturable kernels
+        kernels_on_device = [g for g in rt.optimizer.param_groups if g.get("fused") or g.get("capturable")]
+        on_device = {id(p) for g in kernels_on_device for p in g["params"]}
         for opt_param, covered in _optimizer_params(rt):
             prefix = f"optim.{covered[0][0]}."
             names = [f.removeprefix(prefix) for f in stored if f.startswith(prefix) and "." not in f[len(prefix) :]]
+            scalar_device = opt_param.device if id(opt_param) in on_device else torch.device("cpu")
             states[id(opt_param)] = {
                 name: torch.zeros(
                     () if not stored[prefix + name].size else opt_param.shape,
                     dtype=stored[prefix + name].properties.dtype,
-                    device="cpu" if not stored[prefix + name].size else opt_param.device,
+                    device=scalar_device if not stored[prefix + name].size else opt_param.device,
                 )
                 for name in names
             }
@@ -352,6 +357,8 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
                 rt.optimizer.state[by_id[pid]] = state
         for group, saved in zip(rt.optimizer.param_groups, info["param_groups"]):
             for name, value in saved.items():
+                if name in IMPLEMENTATION_FLAGS:  # this program's kernel choice, not training state
+                    continue
                 current = group.get(name)
                 group[name] = tuple(value) if isinstance(current, tuple) else value
     _restore_rng(rt, rng, same_mesh, info)

@@ -47,6 +47,12 @@ class TorchCompile:
         """Whether autoshard's passes see the forward and backward graphs (bucketed reductions, late waits)."""
         return self.backend in OWN_PASSES
 
+    @property
+    def fuses_pointwise(self) -> bool:
+        """Whether the backend fuses pointwise work (inductor): then the optimizer's update, which is pointwise
+        work outside the graphs, runs on torch's fused kernel where the user left that choice open."""
+        return self.backend == "inductor"
+
     def __str__(self) -> str:
         extra = [f"{k}={v!r}" for k, v in self.options]
         extra += [f"dynamic={self.dynamic}"] if self.dynamic is not False else []

@@ -51,6 +51,7 @@ def train_compiled(
         "compile_seconds": program.compile_seconds,
         "graphs": [str(g) for g in program.compiled_graphs],
         "explain": program.explain() if rank == 0 else "",
+        "fused": [group["fused"] for group in program.optimizer.param_groups],
     }
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autoshard
+from autoshard.runtime.optim import with_fused_kernel
 from autoshard.torch_compile import check_devices
 
 # Compiled kernels sum in other orders than eager ones (fused reductions, inductor's matmul epilogues).
@@ -91,6 +92,7 @@ def _check_inductor(ranks, family: str, mesh: dict, plan: dict) -> None:
     for result in results:
         assert result["losses"] == pytest.approx(ref_losses, rel=RTOL)
         assert result["compile_seconds"] > 0 and result["graphs"]
+        assert result["fused"] == [True]  # the tests' AdamW leaves the kernel open: inductor takes the fused one
     assert_matches(results[0], ref_losses, ref_state)
     assert "rank graphs: torch.compile(backend=inductor" in results[0]["explain"]
 
@@ -123,6 +125,45 @@ def test_a_torch_compiled_model_is_unwrapped_and_its_request_carried_over() -> N
         compile_with(_compiled_mlp(), {"dp": 1}, {}, torch_compile=False)
     with pytest.raises(autoshard.PlanError, match=r"compiled with backend 'aot_eager' but .*backend='inductor'"):
         compile_with(_compiled_mlp(), {"dp": 1}, {}, backend="inductor")
+
+
+def test_the_users_optimizer_runs_on_the_fused_kernel_only_where_the_user_left_it_open() -> None:
+    param = torch.nn.Parameter(torch.randn(3, 4))
+    fused = with_fused_kernel(torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1))
+    assert type(fused) is torch.optim.AdamW and fused.param_groups[0]["fused"] is True
+    assert fused.param_groups[0]["weight_decay"] == 0.1 and fused.param_groups[0]["lr"] == 1e-3
+    for chosen in (
+        torch.optim.AdamW([param], foreach=False),  # the user chose a kernel
+        torch.optim.AdamW([param], fused=False),
+        torch.optim.AdamW([{"params": [param], "foreach": True}]),  # in one group
+        torch.optim.RMSprop([param]),  # torch has no fused kernel for it
+        torch.optim.AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]),
+    ):
+        assert with_fused_kernel(chosen) is chosen
+    stepped = torch.optim.AdamW([param])
+    param.grad = torch.ones_like(param)
+    stepped.step()
+    assert with_fused_kernel(stepped) is stepped  # its state exists already: not rebuilt
+
+
+def test_a_checkpoint_carries_training_state_not_the_optimizers_kernel(tmp_path) -> None:
+    """A program on the fused kernel (as torch_compile=True runs it) saves; one on torch's default loads it."""
+    fused, default = build_case("mlp"), build_case("mlp")
+    first = fused.batches[0]
+    kwargs = {"example_inputs": first.inputs, "loss_fn": fused.loss_fn, "example_target": first.target}
+    saving = autoshard.compile(fused.model, autoshard.Mesh(dp=1), optimizer=lambda p: torch.optim.AdamW(p, fused=True),
+                               **kwargs)  # fmt: skip
+    saving.step(*first.inputs, target=first.target)
+    saving.save(tmp_path / "ckpt")
+    loading = autoshard.compile(default.model, autoshard.Mesh(dp=1), optimizer=torch.optim.AdamW, **kwargs)
+    loading.load(tmp_path / "ckpt")
+    assert [g["fused"] for g in loading.optimizer.param_groups] == [None]
+    steps = [state["step"] for state in loading.optimizer.state.values()]
+    assert steps and all(s.device.type == "cpu" and s.item() == 1 for s in steps)
+    for program in (saving, loading):  # the same update from the same state, up to the kernels' rounding
+        program.step(*first.inputs, target=first.target)
+    for key, value in saving.full_state_dict().items():
+        torch.testing.assert_close(loading.full_state_dict()[key], value, rtol=RTOL, atol=ATOL)
 
 
 def _compiled_mlp():

@@ -22,6 +22,7 @@ from autoshard.errors import InputError, PlanError
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
+    "IMPLEMENTATION_FLAGS",
     "check_elementwise",
     "clip_by_global_norm",
     "group_of_params",
@@ -29,7 +30,11 @@ __all__ = [
     "optimizer_like",
     "optimizer_state_bytes",
     "weak_grad_hook",
+    "with_fused_kernel",
 ]
+
+# Which of torch's kernels runs an update, not what it computes: a checkpoint does not carry them over.
+IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name)
@@ -80,6 +85,34 @@ def optimizer_like(template: torch.optim.Optimizer, groups: list[list[torch.Tens
         for group, tensors in zip(template.param_groups, groups)
     ]
     return type(template)(param_groups, **defaults)
+
+
+def with_fused_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` on torch's fused kernel (``fused=True``: one pass over each tensor's memory per step
+    instead of one per operation) where the user left the implementation open (``fused`` and ``foreach``
+    both None, torch's "choose for me") and torch has that kernel for its class and tensors; otherwise
+    ``optimizer`` itself. The same update up to float rounding; torch_compile=True asks for it, since
+    the optimizer step is pointwise work that the compiled graphs do not contain."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    groups = optimizer.param_groups
+    tensors = [p for group in groups for p in group["params"]]
+    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    if (
+        "fused" not in accepted
+        or optimizer.state  # built before its first step only
+        or not tensors
+        or any(group.get(flag) is not None for group in groups for flag in IMPLEMENTATION_FLAGS)
+        or any(group.get("differentiable") for group in groups)
+        or not all(p.is_floating_point() and p.device.type in supported for p in tensors)
+    ):
+        return optimizer
+    fused = [{**group, "fused": True} for group in groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "fused"}
+    try:
+        return cls(fused, **defaults, fused=True)
+    except (RuntimeError, ValueError):  # a setting torch's fused kernel does not take: torch's own default
+        return optimizer
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

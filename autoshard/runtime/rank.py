@@ -38,7 +38,13 @@ from autoshard.runtime.compiled import rank_compiler
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
 from autoshard.runtime.masks import SingleDeviceMasks
-from autoshard.runtime.optim import clip_by_global_norm, make_optimizer, optimizer_like, optimizer_state_bytes
+from autoshard.runtime.optim import (
+    clip_by_global_norm,
+    make_optimizer,
+    optimizer_like,
+    optimizer_state_bytes,
+    with_fused_kernel,
+)
 from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
 from autoshard.runtime.tp import TensorParallel
 from autoshard.runtime.tracing import span
@@ -259,13 +265,17 @@ class RankRuntime:
     def _make_optimizer(self, factory: Callable[[Any], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         compiled = self.compiled
         if self.holder.masters is None:  # the parameters themselves: the user's factory, as written
-            return make_optimizer(factory, compiled.model.parameters())
-        groups: list[list[torch.Tensor]] = [[] for _ in compiled.template.param_groups]
-        for g in self.holder.order:
-            index = compiled.opt_groups.get(id(self.holder.layouts[g].params[0]))
-            if index is not None:  # a group the user's optimizer leaves out is not stepped
-                groups[index].append(self.holder.masters.tensors[g])
-        return optimizer_like(compiled.template, groups)
+            optimizer = make_optimizer(factory, compiled.model.parameters())
+        else:
+            groups: list[list[torch.Tensor]] = [[] for _ in compiled.template.param_groups]
+            for g in self.holder.order:
+                index = compiled.opt_groups.get(id(self.holder.layouts[g].params[0]))
+                if index is not None:  # a group the user's optimizer leaves out is not stepped
+                    groups[index].append(self.holder.masters.tensors[g])
+            optimizer = optimizer_like(compiled.template, groups)
+        if compiled.torch_compile is not None and compiled.torch_compile.fuses_pointwise:
+            optimizer = with_fused_kernel(optimizer)
+        return optimizer
 
     def autocast(self) -> Any:
         """The plan's torch.autocast on this rank's device (a no-op context without one)."""
