@@ -465,4 +465,23 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_capture_blocks.py"],
         "k": "full_trace",
     },
+    {
+        "name": "61_checkpoint_restores_the_kernel_choice",
+        "file": "autoshard/checkpoint.py",
+        "why": (
+            "a checkpoint saved on the fused kernel puts the loading program on that kernel too, though its "
+            "step counts were loaded on the host (a fused kernel on a GPU wants them on the device)"
+        ),
+        "tests": ["tests/test_compiled.py"],
+        "k": "carries_training_state",
+    },
+    {
+        "name": "62_fused_kernel_overrides_the_users_choice",
+        "file": "autoshard/runtime/optim.py",
+        "why": (
+            "torch_compile=True puts an optimizer on the fused kernel although the user chose fused=False or foreach"
+        ),
+        "tests": ["tests/test_compiled.py"],
+        "k": "fused_kernel_only_where",
+    },
 ]
