@@ -196,7 +196,7 @@ def _compiled_vs_ddp(rank: int, world_size: int, cfg: dict[str, int], steps: int
 def bench_compiled_vs_ddp(ranks: int = 4) -> None:
     cfg = GPT
     with LocalRanks(ranks) as pool:
-        result = pool.run(_compiled_vs_ddp, cfg, steps=5, rounds=4)[0]
+        result = pool.run(_compiled_vs_ddp, cfg, steps=5, rounds=6)[0]
     timings = result["timings"]
     ours, theirs = statistics.median(timings["autoshard"]), statistics.median(timings["torch"])
     theirs_fused = statistics.median(timings["torch fused"])
@@ -538,8 +538,11 @@ def _alternate(
     for fn in systems.values():  # warm-up
         for x, y in data[:2]:
             fn(x, y)
-    for _ in range(rounds):
-        for name, fn in systems.items():
+    names = list(systems)
+    for round_ in range(rounds):
+        shift = round_ % len(names)  # each round starts at another system: none always runs after the same one
+        for name in names[shift:] + names[:shift]:
+            fn = systems[name]
             dist.barrier()
             start = time.perf_counter()
             for x, y in data:
