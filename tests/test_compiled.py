@@ -138,8 +138,12 @@ def test_the_users_optimizer_runs_on_the_fused_kernel_only_where_the_user_left_i
         torch.optim.AdamW([{"params": [param], "foreach": True}]),  # in one group
         torch.optim.RMSprop([param]),  # torch has no fused kernel for it
         torch.optim.AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]),
+        type("MyAdamW", (torch.optim.AdamW,), {})([param]),  # a subclass: its constructor may differ
     ):
         assert with_fused_kernel(chosen) is chosen
+    hooked = torch.optim.AdamW([param])
+    hooked.register_step_post_hook(lambda optimizer, args, kwargs: None)
+    assert with_fused_kernel(hooked) is hooked  # the factory's hooks stay with the factory's optimizer
     stepped = torch.optim.AdamW([param])
     param.grad = torch.ones_like(param)
     stepped.step()

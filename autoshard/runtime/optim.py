@@ -98,8 +98,11 @@ def with_fused_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     groups = optimizer.param_groups
     tensors = [p for group in groups for p in group["params"]]
     supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    hooks = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
     if (
         "fused" not in accepted
+        or getattr(torch.optim, cls.__name__, None) is not cls  # a subclass may take other arguments: as written
+        or any(hooks)  # hooks the user's factory registered stay with the user's optimizer
         or optimizer.state  # built before its first step only
         or not tensors
         or any(group.get(flag) is not None for group in groups for flag in IMPLEMENTATION_FLAGS)
