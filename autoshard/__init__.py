@@ -10,6 +10,7 @@ from autoshard.cost import LayerCost, ModelCost
 from autoshard.errors import (
     AutoshardError,
     CaptureError,
+    CompileError,
     DistributedError,
     InputError,
     MeshError,
@@ -28,6 +29,7 @@ __all__ = [
     "AutoshardError",
     "Candidate",
     "CaptureError",
+    "CompileError",
     "DistributedError",
     "Hardware",
     "InputError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AutoshardError",
     "CaptureError",
+    "CompileError",
     "DistributedError",
     "InputError",
     "MeshError",
@@ -31,6 +32,10 @@ class InputError(AutoshardError, TypeError):
 
 class CaptureError(AutoshardError, RuntimeError):
     """The model (with its loss) could not be captured into a graph."""
+
+
+class CompileError(AutoshardError, RuntimeError):
+    """torch.compile did not compile what the program asked of it (its graphs would run eagerly)."""
 
 
 class DistributedError(AutoshardError, RuntimeError):

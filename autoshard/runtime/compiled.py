@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import passes
+from autoshard.errors import CompileError
 from autoshard.passes.graph_buckets import GraphBucket
 from autoshard.passes.overlap_comm import COLLECTIVES
 from autoshard.runtime import graph_break
@@ -136,7 +137,7 @@ class RankCompiler:
         """After the first step: dynamo handed autoshard's backend a graph. Dynamo runs a frame eagerly, with
         only a warning, past its recompile limit or where its errors are suppressed: the request would be dropped."""
         if self.request.rewrites_graphs and not self.graphs:
-            raise RuntimeError(
+            raise CompileError(
                 f"{self.request} compiled no graph of this rank in its first step: dynamo ran them eagerly (its "
                 f"recompile limit reached, torch._dynamo.config.recompile_limit, or its errors suppressed); "
                 f"TORCH_LOGS=recompiles says why, or pass torch_compile=False to train eagerly"
