@@ -1,5 +1,6 @@
 """torch.compile of the rank graphs: functional collectives in the compiled graphs, equivalence on gloo ranks,
-the compile request of a torch.compile'd model, the plan's autocast and reduce_dtype, and bad input."""
+the compile request of a torch.compile'd model, the optimizer's fused kernel, the plan's autocast and
+reduce_dtype, and bad input."""
 
 from __future__ import annotations
 
