@@ -76,9 +76,15 @@ def _torch_compile(program: Any) -> list[str]:
         return []
     compiler = program.runtime.compiler if program.runtime is not None else None
     if compiler is None or not compiler.graphs:
-        return ["", f"rank graphs: {request} (compiled on the first step)"]
-    lines = ["", f"rank graphs: {request}, compiled in {compiler.seconds:.2f} s on this rank:"]
-    lines += [f"  {graph}" for graph in compiler.graphs]
+        lines = ["", f"rank graphs: {request} (compiled on the first step)"]
+    else:
+        lines = ["", f"rank graphs: {request}, compiled in {compiler.seconds:.2f} s on this rank:"]
+        lines += [f"  {graph}" for graph in compiler.graphs]
+    optimizer = program.runtime.optimizer if program.runtime is not None else None
+    if optimizer is not None and request.fuses_pointwise:
+        fused = all(group.get("fused") for group in optimizer.param_groups)
+        kernel = "torch's fused kernel (fused and foreach left open)" if fused else "the kernel its settings choose"
+        lines.append(f"  optimizer: {type(optimizer).__name__} on {kernel}")
     return lines
 
 

@@ -96,6 +96,7 @@ def _check_inductor(ranks, family: str, mesh: dict, plan: dict) -> None:
         assert result["fused"] == [True]  # the tests' AdamW leaves the kernel open: inductor takes the fused one
     assert_matches(results[0], ref_losses, ref_state)
     assert "rank graphs: torch.compile(backend=inductor" in results[0]["explain"]
+    assert "optimizer: AdamW on torch's fused kernel" in results[0]["explain"]
 
 
 @pytest.mark.slow
