@@ -540,7 +540,7 @@ def _alternate(
             fn(x, y)
     names = list(systems)
     for round_ in range(rounds):
-        shift = round_ % len(names)  # each round starts at another system: none always runs after the same one
+        shift = round_ % len(names)  # each round starts at another system: none is always first
         for name in names[shift:] + names[:shift]:
             fn = systems[name]
             dist.barrier()
