@@ -75,13 +75,16 @@ def group_of_params(optimizer: torch.optim.Optimizer, params: list[torch.nn.Para
     return out
 
 
-def optimizer_like(template: torch.optim.Optimizer, groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
+def optimizer_like(
+    template: torch.optim.Optimizer, groups: list[list[torch.Tensor]], **settings: Any
+) -> torch.optim.Optimizer:
     """An optimizer of ``template``'s class whose group ``i`` steps ``groups[i]`` with the template's group ``i``
-    hyper-parameters (its defaults for anything a group does not set)."""
+    hyper-parameters (its defaults for anything a group does not set), ``settings`` replacing them in every
+    group and the defaults."""
     accepted = inspect.signature(type(template).__init__).parameters
-    defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+    defaults = {k: v for k, v in template.defaults.items() if k in accepted} | settings
     param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+        {**{k: v for k, v in group.items() if k != "params"}, **settings, "params": tensors}
         for group, tensors in zip(template.param_groups, groups)
     ]
     return type(template)(param_groups, **defaults)
@@ -110,10 +113,8 @@ def with_fused_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         or not all(p.is_floating_point() and p.device.type in supported for p in tensors)
     ):
         return optimizer
-    fused = [{**group, "fused": True} for group in groups]
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "fused"}
     try:
-        return cls(fused, **defaults, fused=True)
+        return optimizer_like(optimizer, [group["params"] for group in groups], fused=True)
     except (RuntimeError, ValueError):  # a setting torch's fused kernel does not take: torch's own default
         return optimizer
 
