@@ -3,6 +3,7 @@ the constraints allow, the simulated pipeline schedule, max_batch, and the defau
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -12,7 +13,8 @@ from cases import build_case, measured_hardware
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.cost import summarize
-from autoshard.hardware import Hardware
+from autoshard.errors import InputError
+from autoshard.hardware import COLLECTIVES, CollectiveFit, Hardware
 from autoshard.meta import ZERO_GROUP, evaluate_expr
 from autoshard.plan import Plan
 from autoshard.planner import choose_plan, default_microbatches
@@ -199,3 +201,48 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
     assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1
     # The probe groups are the process's shared ones: a second calibration makes none.
     assert all(rank[1][1] == rank[0][1] for rank in results)
+
+
+def test_each_backward_adds_its_gradients_into_their_buffers(gpt2) -> None:
+    """A microbatch's backward costs, besides its kernels, one pass that adds each parameter's gradient into the
+    buffer it accumulates in (read both, write the sum): the share of a step that does not shrink with the
+    microbatch, so many small microbatches cost more than a few large ones."""
+    profile, sizes = gpt2[:2]
+    block = profile.part(profile.blocks[0], 1, False)
+    without = dataclasses.replace(block, param_bytes=0, _times={})
+    cpu = Hardware.preset("cpu")
+    extra = block.times(sizes, cpu, None).backward - without.times(sizes, cpu, None).backward
+    assert block.param_bytes > 0 and extra == pytest.approx(3 * block.param_bytes / cpu.memory_bandwidth)
+    assert block.times(sizes, cpu, None).forward == without.times(sizes, cpu, None).forward
+
+
+def test_cpu_matmuls_add_their_operand_pass_where_devices_overlap_it() -> None:
+    """A CPU GEMM packs its operands before it multiplies (their bytes over the memory bandwidth, then the
+    FLOPs); a GPU's kernel overlaps the two, so the slower of them counts."""
+    cpu, gpu = Hardware.preset("cpu"), Hardware.preset("a100-80gb")
+    dims, flops, nbytes = (256.0, 768.0, 256.0), 2 * 256 * 768 * 256, 4 * (256 * 256 + 256 * 768 + 256 * 768)
+    for hw in (cpu, gpu):
+        compute = flops / (hw.peak() * hw.efficiency(*dims))
+        moved = nbytes / hw.memory_bandwidth
+        expected = compute + moved if hw.kernels == "cpu" else max(compute, moved)
+        assert hw.matmul_seconds(flops, dims, nbytes) == pytest.approx(hw.op_overhead + expected)
+
+
+def test_with_fastest_links_takes_each_collective_from_the_calibration_that_timed_it_fastest() -> None:
+    def fits(bandwidth: float, latency: float) -> tuple[CollectiveFit, ...]:
+        return tuple(CollectiveFit(op, "intra", 4, bandwidth, latency) for op in COLLECTIVES)
+
+    base = Hardware.preset("cpu").with_(shared_cores=2.0)
+    a = base.with_(peak_flops={"float32": 50e9}, op_overhead=9e-6, sync_wait=4e-3, collectives=fits(1e9, 2e-4))
+    b = base.with_(peak_flops={"float32": 60e9}, op_overhead=11e-6, sync_wait=6e-3, collectives=fits(2e9, 3e-4))
+    slow = base.with_(sync_wait=9e-3, collectives=fits(0.5e9, 9e-4))
+    linked = a.with_fastest_links([slow, b])
+    # b's fits move 1 MiB faster (0.82 ms against 1.25): bandwidth and latency come together, from b
+    assert all((c.bandwidth, c.latency) == (2e9, 3e-4) for c in linked.collectives)
+    assert linked.sync_wait == 4e-3  # a's own, the least
+    assert (linked.peak(), linked.op_overhead) == (50e9, 9e-6)  # compute stays a's
+    assert a.with_fastest_links([]) == a
+    with pytest.raises(InputError, match="shared_cores"):
+        a.with_fastest_links([b.with_(shared_cores=4.0)])
+    with pytest.raises(InputError, match="collectives"):
+        a.with_fastest_links([b.with_(collectives=())])

@@ -214,6 +214,9 @@ def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) 
         forward += f
         backward += b
         by_name[w.name] = f
+    # Every backward adds its parameters' gradients into the buffers they accumulate in (autograd's
+    # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written.
+    backward += hw.memory_seconds(3 * part.param_bytes, kernels=0)
     tp_fwd = tp_bwd = 0.0
     for c in part.comms:
         full = max(_value(c.nbytes_in, sizes), _value(c.nbytes_out, sizes))

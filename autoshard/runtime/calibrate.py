@@ -7,8 +7,9 @@ device:
 - as training runs them (CPU ranks that share processors: each one's CPU time with every rank at once;
   else one rank at a time): matmuls of n x n by n x n for a few n (the fastest reached is the peak,
   ``matmul_efficiency`` 1.0, and ``matmul_half_dim`` is fitted so that ``(n / (n + half))**3`` follows
-  the smaller ones), a copy of a large tensor (memory bandwidth) and a chain of tiny ops with autograd
-  recording (the cost of one op: launch, or on a CPU the eager dispatch);
+  the smaller ones, less the pass that packs their operands on a CPU), a copy of a large tensor
+  (memory bandwidth) and a chain of tiny ops with autograd recording (the cost of one op: launch, or on
+  a CPU the eager dispatch);
 - two small GPTs' training steps (one mostly per-op overhead, one mostly matmuls), predicted from those
   figures by the planner's own profile and measured the same way: they fit one factor for the kernels'
   work and one for the per-op overhead (what single ops miss: autograd's engine, and on shared
@@ -115,13 +116,16 @@ def _compute_seconds(fn: Callable[[], Any], device: torch.device, least: float, 
     return _alone(lambda: _seconds(fn, device, least=least))
 
 
-def _matmul(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[float, float]:
-    """(peak FLOP/s, half dimension)."""
+def _matmul(device: torch.device, dtype: torch.dtype, shared: bool, packing: float = 0.0) -> tuple[float, float]:
+    """(peak FLOP/s, half dimension). ``packing``: on a CPU, the memory bandwidth at which its GEMMs pack
+    their operands before multiplying (Hardware.matmul_seconds adds that pass, so the fit leaves it out)."""
     rates = {}
     for n in _SIZES:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        rates[n] = 2 * n**3 / _compute_seconds(lambda a=a, b=b: a @ b, device, 0.05, shared)
+        seconds = _compute_seconds(lambda a=a, b=b: a @ b, device, 0.05, shared)
+        moved = 3 * n * n * a.element_size() / packing if packing else 0.0
+        rates[n] = 2 * n**3 / max(seconds - moved, 0.5 * seconds)
     peak = max(rates.values())
     best, best_error = 1.0, float("inf")
     for half in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
@@ -293,8 +297,8 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
     # processors (what sharing costs besides, caches and switches, is in the CPU times measured under load).
     shared = float(cpus) if not cuda and per_node > cpus else 0.0
     try:
-        peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0)
         bandwidth, overhead = _memory_bandwidth(device, shared > 0), _op_overhead(device, shared > 0)
+        peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, 0.0 if cuda else bandwidth)
         probe = base.with_(peak_flops={dtype_name: peak, "float32": peak}, matmul_efficiency=1.0,
                            matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead)  # fmt: skip
         work, each_op = _scales([_workload(device, probe, shared > 0, size) for size in _WORKLOADS])
