@@ -484,4 +484,25 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_compiled.py"],
         "k": "fused_kernel_only_where",
     },
+    {
+        "name": "63_planner_gradient_accumulation_one_pass",
+        "file": "autoshard/planner/profile.py",
+        "why": "a backward's gradient accumulation is costed as one pass over the gradients, not two reads and a write",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "adds_its_gradients",
+    },
+    {
+        "name": "64_cpu_matmul_hides_its_operand_pass",
+        "file": "autoshard/hardware.py",
+        "why": "a CPU matmul overlaps its operand pass with its FLOPs (the slower of the two), as a GPU kernel does",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "operand_pass",
+    },
+    {
+        "name": "65_fastest_links_by_latency_alone",
+        "file": "autoshard/hardware.py",
+        "why": "with_fastest_links keeps each collective from the calibration with the least latency alone",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "fastest_links",
+    },
 ]
