@@ -8,7 +8,7 @@ process group) calibrates the ranks it runs on (autoshard/runtime/calibrate.py);
   each dimension as ``d / (d + half_dim)`` up to ``matmul_efficiency`` (small matrices do not fill
   the device), and never less than the time to move its operands through memory (on a CPU, that
   move is added: its GEMMs pack their operands into cache-sized panels, a pass the multiply does not
-  hide, which is what makes many small microbatches slower than a few large ones there);
+  hide: part of why many small microbatches cost more than a few large ones there);
 - an elementwise or reduction kernel is memory bound: bytes read and written over ``memory_bandwidth``;
   every kernel costs ``op_overhead`` (launch, or on a CPU the eager dispatch);
 - a collective over ``n`` ranks is ``steps * latency + factor * bytes / bandwidth`` (NCCL-tests'
@@ -185,28 +185,6 @@ class Hardware:
         from autoshard.runtime.calibrate import measure
 
         return measure(group, name=name, memory_bytes=memory_bytes)
-
-    def with_fastest_links(self, measured: list[Hardware]) -> Hardware:
-        """These compute figures with every link figure at the fastest any of ``measured`` saw (calibrations of
-        the same ranks): each collective's fit, bandwidth and latency together, from the calibration where it
-        moves a 1 MiB message fastest, and ``sync_wait``. For a machine whose speed drifts: each collective is
-        timed apart from the others and from compute (the fastest of a few timings), so more calibrations
-        spread over time are more timings of it; compute's figures are fitted together and stay as they are."""
-        same = ("devices_per_node", "memory_bytes", "kernels", "shared_cores", "overlap", "blocking")
-        layout = [(c.op, c.scope, c.group_size) for c in self.collectives]
-        for other in measured:
-            differ = [f for f in same if getattr(other, f) != getattr(self, f)]
-            if differ or layout != [(c.op, c.scope, c.group_size) for c in other.collectives]:
-                what = differ or ["the collectives measured"]
-                raise InputError(
-                    f"Hardware.with_fastest_links: {other.name} and {self.name} differ in {what}; "
-                    "combine calibrations of the same ranks only"
-                )
-        every = [self, *measured]
-        fits = tuple(
-            min(each, key=lambda f: f.latency + 2**20 / f.bandwidth) for each in zip(*(h.collectives for h in every))
-        )
-        return self.with_(collectives=fits, sync_wait=min(h.sync_wait for h in every))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The figures as JSON (written to ``path`` too when given)."""

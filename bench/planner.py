@@ -10,9 +10,9 @@ plan. Measured: the fastest of warm steps (all ranks in step, the plans in turn)
 rank holds before a step (parameters, gradients, optimizer state, masters) plus the profiler's allocation peak
 during one step (the CPU analog of ``torch.cuda.max_memory_allocated``), on the most loaded rank.
 The ranks calibrate again amid the rounds (this machine's speed drifts by tens of percent over minutes);
-the table predicts with the compute figures of the calibration that predicts the least compute and every
-link at the fastest any calibration timed it (``Hardware.with_fastest_links``), and every calibration's errors
-are printed.
+the table's predictions are the calibration's that saw the machine fastest, chosen by its predictions
+alone, and every calibration's errors are printed (``PLANNER_RUN_JSON=path`` also saves them with the
+measured steps, to replay the predictions offline).
 """
 
 from __future__ import annotations
@@ -146,32 +146,26 @@ def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
         rows.append(row)
     # The machine's speed drifts by tens of percent over minutes, and each calibration sees it at one moment,
     # while the measured steps are the fastest of rounds spread over the run. So the ranks calibrate
-    # several times amid the rounds, and the table predicts with the machine at its fastest as the
-    # calibrations saw it, chosen without looking at the measured steps: the compute figures of the
-    # calibration whose predicted compute is least (they are fitted together, so they stay together), with
-    # each link at the fastest any calibration timed it (Hardware.with_fastest_links).
+    # several times amid the rounds, and the predictions are those of the calibration that saw the machine
+    # fastest (the smallest predicted total: chosen without looking at the measured steps).
     calibrations = [autoshard.Hardware.from_json(text) for text in rows[0]["calibrations"]]
     predicted = [_predictions(rows, hardware) for hardware in calibrations]
     for row, again in zip(rows, predicted[0]):  # offline, the first calibration predicts what compile did
         assert abs(again.step_time / row["predicted"] - 1) < 1e-9, (row["name"], again.step_time, row["predicted"])
-    quickest = min(range(len(calibrations)), key=lambda i: sum(c.time.compute + c.time.optimizer for c in predicted[i]))
-    fastest = calibrations[quickest].with_fastest_links(calibrations)
-    predicted.append(_predictions(rows, fastest))
+    fastest = min(range(len(calibrations)), key=lambda i: sum(c.step_time for c in predicted[i]))
     if os.environ.get("PLANNER_RUN_JSON"):  # every calibration and measurement, to replay the predictions offline
         keep = [{k: v for k, v in r.items() if k != "fixed"} | {"fixed": str(r["fixed"])} for r in rows]
         Path(os.environ["PLANNER_RUN_JSON"]).write_text(json.dumps(keep, indent=1))
     measured = [r["measured"] for r in rows]
-    print(f"\n{len(calibrations)} calibrations (before the rounds, and before rounds {CALIBRATE_BEFORE}), then "
-          f"*: the compute of calibration {quickest}, every link at the fastest of them:")  # fmt: skip
+    print(f"\n{len(calibrations)} calibrations (before the rounds, and before rounds {CALIBRATE_BEFORE}):")
     for i, again in enumerate(predicted):
         times = [c.step_time for c in again]
         errors = " ".join(f"{p / m - 1:+.0%}" for p, m in zip(times, measured))
-        label = f"{i}" if i < len(calibrations) else "*"
-        print(f"  {label}: predicted total {sum(times) * 1e3:.0f} ms, Spearman {_spearman(times, measured):.3f}, "
-              f"errors {errors}")  # fmt: skip
-    for row, chosen in zip(rows, predicted[-1]):
+        print(f"  {'*' if i == fastest else ' '} {i}: predicted total {sum(times) * 1e3:.0f} ms, Spearman "
+              f"{_spearman(times, measured):.3f}, errors {errors}")  # fmt: skip
+    for row, chosen in zip(rows, predicted[fastest]):
         row.update(predicted=chosen.step_time, predicted_bytes=chosen.memory.total, time=str(chosen.time))
-        row["hardware"] = fastest.to_json()
+        row["hardware"] = rows[0]["calibrations"][fastest]
     print(f"\n| plan | predicted ms | measured ms | error | predicted MiB | peak MiB | error |\n|{'---|' * 7}")
     for r in rows:
         t_err = r["predicted"] / r["measured"] - 1
@@ -182,7 +176,7 @@ def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
         )
     for r in rows:
         print(f"  {r['name']}: predicted {r['time']}")
-    print(f"  hardware (calibration {quickest}'s compute, the fastest links): {rows[0]['hardware']}")
+    print(f"  hardware (calibration {fastest}): {rows[0]['hardware']}")
     rho = _spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
     worst_time = max(abs(r["predicted"] / r["measured"] - 1) for r in rows)
     worst_bytes = max(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) for r in rows)

@@ -13,8 +13,7 @@ from cases import build_case, measured_hardware
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.cost import summarize
-from autoshard.errors import InputError
-from autoshard.hardware import COLLECTIVES, CollectiveFit, Hardware
+from autoshard.hardware import Hardware
 from autoshard.meta import ZERO_GROUP, evaluate_expr
 from autoshard.plan import Plan
 from autoshard.planner import choose_plan, default_microbatches
@@ -226,23 +225,3 @@ def test_cpu_matmuls_add_their_operand_pass_where_devices_overlap_it() -> None:
         moved = nbytes / hw.memory_bandwidth
         expected = compute + moved if hw.kernels == "cpu" else max(compute, moved)
         assert hw.matmul_seconds(flops, dims, nbytes) == pytest.approx(hw.op_overhead + expected)
-
-
-def test_with_fastest_links_takes_each_collective_from_the_calibration_that_timed_it_fastest() -> None:
-    def fits(bandwidth: float, latency: float) -> tuple[CollectiveFit, ...]:
-        return tuple(CollectiveFit(op, "intra", 4, bandwidth, latency) for op in COLLECTIVES)
-
-    base = Hardware.preset("cpu").with_(shared_cores=2.0)
-    a = base.with_(peak_flops={"float32": 50e9}, op_overhead=9e-6, sync_wait=4e-3, collectives=fits(1e9, 2e-4))
-    b = base.with_(peak_flops={"float32": 60e9}, op_overhead=11e-6, sync_wait=6e-3, collectives=fits(2e9, 3e-4))
-    slow = base.with_(sync_wait=9e-3, collectives=fits(0.5e9, 9e-4))
-    linked = a.with_fastest_links([slow, b])
-    # b's fits move 1 MiB faster (0.82 ms against 1.25): bandwidth and latency come together, from b
-    assert all((c.bandwidth, c.latency) == (2e9, 3e-4) for c in linked.collectives)
-    assert linked.sync_wait == 4e-3  # a's own, the least
-    assert (linked.peak(), linked.op_overhead) == (50e9, 9e-6)  # compute stays a's
-    assert a.with_fastest_links([]) == a
-    with pytest.raises(InputError, match="shared_cores"):
-        a.with_fastest_links([b.with_(shared_cores=4.0)])
-    with pytest.raises(InputError, match="collectives"):
-        a.with_fastest_links([b.with_(collectives=())])

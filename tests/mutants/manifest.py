@@ -498,11 +498,4 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "operand_pass",
     },
-    {
-        "name": "65_fastest_links_by_latency_alone",
-        "file": "autoshard/hardware.py",
-        "why": "with_fastest_links keeps each collective from the calibration with the least latency alone",
-        "tests": ["tests/test_planner_rules.py"],
-        "k": "fastest_links",
-    },
 ]
