@@ -124,9 +124,15 @@ class Hardware:
     def matmul_seconds(self, flops: float, dims: tuple[float, ...], nbytes: float, dtype: Any = None) -> float:
         compute = flops / (self.peak(dtype) * self.efficiency(*dims)) if flops else 0.0
         moved = nbytes / self.memory_bandwidth
-        if self.kernels == "cpu":  # operands packed into panels first: a pass over memory the multiply does not hide
+        if self.packs_operands:
             return self.op_overhead + compute + moved
         return self.op_overhead + max(compute, moved)
+
+    @property
+    def packs_operands(self) -> bool:
+        """Whether a matmul first packs its operands into panels, a pass over memory its multiply does not hide
+        (a CPU's GEMMs); a GPU's kernel overlaps moving its operands with the multiply."""
+        return self.kernels == "cpu"
 
     def sharing(self, computing: float) -> float:
         """How much slower a rank computes while ``computing`` ranks of its node compute at once."""

@@ -154,7 +154,7 @@ def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
         assert abs(again.step_time / row["predicted"] - 1) < 1e-9, (row["name"], again.step_time, row["predicted"])
     fastest = min(range(len(calibrations)), key=lambda i: sum(c.step_time for c in predicted[i]))
     if os.environ.get("PLANNER_RUN_JSON"):  # every calibration and measurement, to replay the predictions offline
-        keep = [{k: v for k, v in r.items() if k != "fixed"} | {"fixed": str(r["fixed"])} for r in rows]
+        keep = [{**r, "fixed": str(r["fixed"])} for r in rows]
         Path(os.environ["PLANNER_RUN_JSON"]).write_text(json.dumps(keep, indent=1))
     measured = [r["measured"] for r in rows]
     print(f"\n{len(calibrations)} calibrations (before the rounds, and before rounds {CALIBRATE_BEFORE}):")

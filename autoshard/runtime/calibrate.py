@@ -117,8 +117,9 @@ def _compute_seconds(fn: Callable[[], Any], device: torch.device, least: float, 
 
 
 def _matmul(device: torch.device, dtype: torch.dtype, shared: bool, packing: float = 0.0) -> tuple[float, float]:
-    """(peak FLOP/s, half dimension). ``packing``: on a CPU, the memory bandwidth at which its GEMMs pack
-    their operands before multiplying (Hardware.matmul_seconds adds that pass, so the fit leaves it out)."""
+    """(peak FLOP/s, half dimension). ``packing``: the memory bandwidth at which the GEMMs pack their operands
+    before multiplying, where they do (``Hardware.packs_operands``: matmul_seconds adds that pass, so the fit
+    leaves it out); 0 where the multiply hides it."""
     rates = {}
     for n in _SIZES:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -298,7 +299,7 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
     shared = float(cpus) if not cuda and per_node > cpus else 0.0
     try:
         bandwidth, overhead = _memory_bandwidth(device, shared > 0), _op_overhead(device, shared > 0)
-        peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, 0.0 if cuda else bandwidth)
+        peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, bandwidth if base.packs_operands else 0.0)
         probe = base.with_(peak_flops={dtype_name: peak, "float32": peak}, matmul_efficiency=1.0,
                            matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead)  # fmt: skip
         work, each_op = _scales([_workload(device, probe, shared > 0, size) for size in _WORKLOADS])
