@@ -8,7 +8,9 @@ import os
 
 import pytest
 import sympy
+import torch
 from cases import build_case, measured_hardware
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import passes
 from autoshard.capture import capture
@@ -17,7 +19,7 @@ from autoshard.hardware import Hardware
 from autoshard.meta import ZERO_GROUP, evaluate_expr
 from autoshard.plan import Plan
 from autoshard.planner import choose_plan, default_microbatches
-from autoshard.planner.costing import Costing, _Stage
+from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing, _Stage
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
 from autoshard.planner.simulate import simulate, simulate_shared
@@ -225,3 +227,42 @@ def test_cpu_matmuls_add_their_operand_pass_where_devices_overlap_it() -> None:
         moved = nbytes / hw.memory_bandwidth
         expected = compute + moved if hw.kernels == "cpu" else max(compute, moved)
         assert hw.matmul_seconds(flops, dims, nbytes) == pytest.approx(hw.op_overhead + expected)
+
+
+def test_the_optimizer_step_moves_what_torchs_adamw_moves() -> None:
+    """The cost model's Adam step (ADAM_KERNELS kernels, ADAM_PASSES fp32 values an element) is what
+    torch.optim.AdamW runs, one tensor at a time and foreach: its aten ops over a parameter counted as they
+    execute, each reading its distinct full-size operands and writing one result."""
+    numel = 1000
+
+    class Count(TorchDispatchMode):
+        kernels = passes_ = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [x for a in [*args, *(kwargs or {}).values()] for x in (a if isinstance(a, list) else [a])]
+            full = {x.data_ptr() for x in flat if isinstance(x, torch.Tensor) and x.numel() == numel}
+            if full:  # the step counters are one-element tensors: not a pass over the parameter
+                Count.kernels += 1
+                Count.passes_ += len(full) + 1
+            return func(*args, **(kwargs or {}))
+
+    for foreach in (False, True):
+        param = torch.nn.Parameter(torch.randn(numel))
+        param.grad = torch.randn(numel)
+        optimizer = torch.optim.AdamW([param], lr=1e-3, foreach=foreach)
+        optimizer.step()  # the first step creates the moments
+        Count.kernels = Count.passes_ = 0
+        with Count():
+            optimizer.step()
+        assert (Count.kernels, Count.passes_) == (ADAM_KERNELS, ADAM_PASSES), foreach
+
+
+def test_ranks_that_share_processors_step_their_optimizers_as_slowly_as_they_compute(gpt2) -> None:
+    """Every rank steps its optimizer at once, after the gradients are reduced: 4 ranks on 2 shared processors
+    take twice the one-rank time of Adam's passes over the rank's master elements (a ZeRO shard: a quarter)."""
+    shared = Hardware.preset("cpu").with_(devices_per_node=4, shared_cores=2.0)
+    elements = gpt2[2] // 4  # fp32 parameters
+    for zero in (0, 1):
+        step = costing(gpt2, shared).candidate(Plan(dp=4, zero=zero)).time.optimizer
+        alone = shared.memory_seconds(ADAM_PASSES * 4 * elements / (4 if zero else 1), kernels=ADAM_KERNELS)
+        assert step == pytest.approx(2 * alone)
