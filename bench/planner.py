@@ -103,7 +103,7 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
         chosen = program.plan_report.chosen
         rows.append({
             "name": name, "plan": str(program.plan), "predicted": chosen.step_time,
-            "measured": min(seconds), "predicted_bytes": chosen.memory.total, "peak_bytes": peak,
+            "measured": min(seconds), "rounds": seconds, "predicted_bytes": chosen.memory.total, "peak_bytes": peak,
             "why": chosen.why, "time": str(chosen.time), "hardware": hardware.to_json(),
             "fixed": program.plan, "mesh": mesh, "calibrations": [h.to_json() for h in calibrations],
         })  # fmt: skip
@@ -143,6 +143,7 @@ def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
         row = dict(row)
         row["measured"] = max(r[i]["measured"] for r in per_rank)
         row["peak_bytes"] = max(r[i]["peak_bytes"] for r in per_rank)
+        row["rounds"] = [max(each) for each in zip(*(r[i]["rounds"] for r in per_rank))]  # the slowest rank's
         rows.append(row)
     # The machine's speed drifts by tens of percent over minutes, and each calibration sees it at one moment,
     # while the measured steps are the fastest of rounds spread over the run. So the ranks calibrate
