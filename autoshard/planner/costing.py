@@ -281,9 +281,8 @@ class Costing:
             offload = 2 * (master / shard / hw.host_bandwidth + hw.op_overhead)
         else:
             # Every rank of a node steps at once: on processors they share, as slowly as their kernels do.
-            optimizer = hw.sharing(min(plan.mesh.size, hw.devices_per_node)) * hw.memory_seconds(
-                touched, kernels=ADAM_KERNELS
-            )
+            sharing = hw.sharing(min(plan.mesh.size, hw.devices_per_node))
+            optimizer = sharing * hw.memory_seconds(touched, kernels=ADAM_KERNELS)
         return dp_comm, zero3, optimizer, offload
 
     def _memory(self, plan: Plan, stages: list[_Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
