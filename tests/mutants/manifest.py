@@ -498,4 +498,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "operand_pass",
     },
+    {
+        "name": "65_planner_optimizer_not_slowed_by_shared_processors",
+        "file": "autoshard/planner/costing.py",
+        "why": "ranks that share processors step their optimizers at once but the cost model times each as if alone",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "step_their_optimizers",
+    },
+    {
+        "name": "66_planner_adam_costed_as_a_fused_kernel",
+        "file": "autoshard/planner/costing.py",
+        "why": "Adam costed as a fused kernel's 7 fp32 values an element, not the 20 torch's AdamW moves",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "optimizer",
+    },
 ]
