@@ -46,7 +46,7 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
 
 
 # Rounds before which the ranks calibrate again (compile used the first calibration, made before them).
-CALIBRATE_BEFORE = (3, 6, 9)
+CALIBRATE_BEFORE = (5, 10, 15)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware) -> li
     return out
 
 
-def bench_measured(report: Any = None, steps: int = 12) -> dict[str, Any]:
+def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
     with LocalRanks(4) as pool:
         per_rank = pool.run(_measure_rank, steps)
     rows = []
