@@ -213,16 +213,18 @@ def choose_plan(
         if plain
         else f"{winner.plan} fits {fmt_bytes(hardware.memory_bytes)} per rank and is "
     )
-    reason += f"the fastest predicted of {len(fitting)} fitting candidate(s) ({searched} plans costed)"
-    if runner_up is not None and runner_up.step_time < winner.step_time:
+    of = f"of {len(fitting)} fitting candidate(s) ({searched} plans costed)"
+    if runner_up is not None and runner_up.step_time < winner.step_time:  # kept for being simpler
         reason += (
-            f"; {runner_up.plan} is predicted {1 - runner_up.step_time / winner.step_time:.1%} faster, within "
-            f"{SIMPLER_WITHIN:.0%} (what the cost model resolves), and is not as simple"
+            f"the simplest predicted within {SIMPLER_WITHIN:.0%} of the fastest {of}; {runner_up.plan} is predicted "
+            f"{1 - runner_up.step_time / winner.step_time:.1%} faster, within what the cost model resolves, and "
+            "is not as simple"
         )
-    elif runner_up is not None:
-        reason += (
-            f"; the next best, {runner_up.plan}, is predicted {runner_up.step_time / winner.step_time:.2f}x slower"
-        )
+    else:
+        reason += f"the fastest predicted {of}"
+        if runner_up is not None:
+            slower = runner_up.step_time / winner.step_time
+            reason += f"; the next best, {runner_up.plan}, is predicted {slower:.2f}x slower"
     return PlanReport(tuple(ranked), reason, dict(sizes), hardware, searched)
 
 
