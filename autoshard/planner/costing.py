@@ -123,7 +123,7 @@ class Costing:
             window = max(s.backward for s in stages)
             in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
-        dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute)
+        dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
         time = StepTime(
             compute=compute, recompute=recompute, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
             dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
@@ -237,9 +237,10 @@ class Costing:
         return out
 
     def _data_parallel(
-        self, plan: Plan, stages: list[_Stage], window: float, compute: float
+        self, plan: Plan, stages: list[_Stage], window: float, compute: float, node: int
     ) -> tuple[float, float, float, float]:
-        """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic."""
+        """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic (``node``:
+        the plan's ranks on one node)."""
         hw = self.hardware
         per_rank = _by_rank(stages, plan.pp)
         params = max(sum(s.params for s in group) for group in per_rank)
@@ -281,8 +282,7 @@ class Costing:
             offload = 2 * (master / shard / hw.host_bandwidth + hw.op_overhead)
         else:
             # Every rank of a node steps at once: on processors they share, as slowly as their kernels do.
-            sharing = hw.sharing(min(plan.mesh.size, hw.devices_per_node))
-            optimizer = sharing * hw.memory_seconds(touched, kernels=ADAM_KERNELS)
+            optimizer = hw.sharing(node) * hw.memory_seconds(touched, kernels=ADAM_KERNELS)
         return dp_comm, zero3, optimizer, offload
 
     def _memory(self, plan: Plan, stages: list[_Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
