@@ -90,6 +90,8 @@ class Hardware:
     # Seconds a synchronous collective waits beyond its own time when it follows compute: ranks that share
     # cores reach it apart (by about a scheduler's time slice). 0 when each rank has its own device.
     sync_wait: float = 0.0
+    # (group size, seconds) where groups of several sizes were timed: fewer ranks arrive less far apart.
+    group_sync_waits: tuple[tuple[int, float], ...] = ()
     collectives: tuple[CollectiveFit, ...] = field(default=())
     source: str = ""  # where the figures come from
 
@@ -101,6 +103,7 @@ class Hardware:
         fits = tuple(CollectiveFit(**f) if isinstance(f, dict) else f for f in self.collectives)
         object.__setattr__(self, "collectives", fits)
         object.__setattr__(self, "blocking", tuple(self.blocking))
+        object.__setattr__(self, "group_sync_waits", tuple((int(n), float(w)) for n, w in self.group_sync_waits))
         for name in ("devices_per_node", "memory_bytes"):
             if getattr(self, name) < 1:
                 raise InputError(f"Hardware.{name}={getattr(self, name)} must be positive")
@@ -137,6 +140,15 @@ class Hardware:
     def sharing(self, computing: float) -> float:
         """How much slower a rank computes while ``computing`` ranks of its node compute at once."""
         return max(1.0, computing / self.shared_cores) if self.shared_cores else 1.0
+
+    def sync(self, group_size: int) -> float:
+        """What a synchronous collective over ``group_size`` ranks waits for the last of them to arrive: the
+        nearest group size timed, else ``sync_wait``."""
+        if group_size <= 1:
+            return 0.0
+        if not self.group_sync_waits:
+            return self.sync_wait
+        return min(self.group_sync_waits, key=lambda w: (abs(math.log(w[0] / group_size)), w[0]))[1]
 
     def memory_seconds(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.op_overhead + nbytes / self.memory_bandwidth

@@ -618,3 +618,30 @@ def measured_hardware(rank: int, world_size: int, times: int) -> list[tuple[str,
         hardware = autoshard.Hardware.measure()
         out.append((hardware.to_json(), len(dist.distributed_c10d._world.pg_map)))
     return out
+
+
+def small_gpt() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A small GPT (tied head, 2 blocks) with a batch of token ids and their targets."""
+    from autoshard.demo import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, dim=64, heads=4, layers=2, max_seq=32)
+    gen = torch.Generator().manual_seed(1)
+    return model, torch.randint(0, 256, (4, 32), generator=gen), torch.randint(0, 256, (4, 32), generator=gen)
+
+
+def tp_collectives(rank: int, world_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The tensor-parallel collectives one training step of ``small_gpt`` issues on this rank at tp=world_size:
+    (op -> calls, op -> bytes as the runtime counts them)."""
+    from autoshard.demo import next_token_loss
+
+    model, ids, target = small_gpt()
+    program = autoshard.compile(
+        model, autoshard.Mesh(tp=world_size), (ids,), loss_fn=next_token_loss, example_target=target,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan={"microbatches": 1},
+    )  # fmt: skip
+    x, y = program.local_batch(ids), program.local_batch(target)
+    program.step(x, target=y)
+    program.comm.reset()
+    program.step(x, target=y)
+    return dict(program.comm.calls), dict(program.comm.volume_bytes)

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 
 import pytest
 import sympy
 import torch
-from cases import build_case, measured_hardware
+from cases import build_case, measured_hardware, small_gpt, tp_collectives
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.cost import summarize
+from autoshard.demo import next_token_loss
 from autoshard.hardware import Hardware
 from autoshard.meta import ZERO_GROUP, evaluate_expr
 from autoshard.plan import Plan
@@ -195,6 +197,9 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
     shared = 4 > cpus
     assert hw.shared_cores == (float(cpus) if shared else 0.0)
     assert hw.sync_wait >= 0 and (shared or hw.sync_wait == 0)
+    # Where ranks share cores, every group size is timed (the whole world's is sync_wait); else none waits.
+    assert [n for n, _ in hw.group_sync_waits] == ([4, 2] if shared else [])
+    assert all(hw.sync(n) == w >= 0 for n, w in hw.group_sync_waits) and hw.sync(4) == hw.sync_wait
     assert {(c.op, c.group_size) for c in hw.collectives} == {
         (op, n) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for n in (4, 2)
     }
@@ -266,3 +271,53 @@ def test_ranks_that_share_processors_step_their_optimizers_as_slowly_as_they_com
         step = costing(gpt2, shared).candidate(Plan(dp=4, zero=zero)).time.optimizer
         alone = shared.memory_seconds(ADAM_PASSES * 4 * elements / (4 if zero else 1), kernels=ADAM_KERNELS)
         assert step == pytest.approx(2 * alone)
+
+
+def test_the_profile_costs_every_collective_a_tensor_parallel_rank_issues(ranks) -> None:
+    """What the planner costs for a tp step is what a tp rank issues, call for call and byte for byte: the
+    rewrite's collectives, the vocab-parallel loss's own all-reduces, and the all-reduce of the embedding's
+    partial sum that the first block reads (made by the part that hands it on)."""
+    issued_calls, issued_bytes = ranks(2).run(tp_collectives)[0]
+    model, ids, target = small_gpt()
+    captured = capture(model, (ids,), None, next_token_loss, target)
+    passes.analyze(captured.gm, captured.rename)
+    sizes = captured.example_sizes
+    profile = profile_graph(captured.gm, sizes, "cpu", 0.0)
+    calls: Counter = Counter()
+    volume: Counter = Counter()
+    for name in ("pre", *profile.blocks, "post"):
+        for comm in profile.part(name, 2, False).comms:
+            full = max(evaluate_expr(comm.nbytes_in, sizes), evaluate_expr(comm.nbytes_out, sizes))
+            for op in (comm.forward, comm.backward):
+                if op:  # the runtime counts an all-reduce's bytes twice (in and out of the reduction)
+                    calls[f"tp_{op}"] += 1
+                    volume[f"tp_{op}"] += (2 if op == "all_reduce" else 1) * full
+    assert issued_calls == {"tp_all_reduce": 12}  # 4 a block, the embedding's sum, the head's input, the loss's 2
+    assert dict(calls) == issued_calls and dict(volume) == issued_bytes
+
+
+def test_a_synchronous_collective_waits_as_long_as_its_group_size_was_measured_to() -> None:
+    """Fewer ranks arrive less far apart: the wait of the nearest group size measured applies; one rank waits for
+    none; a Hardware without per-size figures (a preset, an older calibration) waits ``sync_wait`` in every group."""
+    cpu = Hardware.preset("cpu").with_(sync_wait=0.006)
+    assert cpu.sync(1) == 0.0 and cpu.sync(2) == cpu.sync(64) == 0.006
+    measured = cpu.with_(group_sync_waits=((4, 0.006), (2, 0.004)))
+    assert measured.sync(2) == 0.004 and measured.sync(3) == measured.sync(8) == 0.006  # nearest by ratio
+    assert Hardware.from_json(measured.to_json()) == measured
+
+
+def test_sequence_parallel_sums_its_replicated_weights_gradients_once_a_step(gpt2) -> None:
+    """Under sequence parallelism each rank holds part of the norms' gradients; the runtime sums them over tp in
+    one all-reduce a step after backward (not one a microbatch), and the planner costs that call."""
+    profile, sizes = gpt2[:2]
+    cpu = Hardware.preset("cpu").with_(sync_wait=1e-3)
+    partial = sum(profile.part(name, 2, True).partial_grad_bytes for name in ("pre", *profile.blocks, "post"))
+    assert partial > 0 and all(profile.part(name, 2, False).partial_grad_bytes == 0 for name in profile.parts)
+    without = dataclasses.replace(profile, _cache={})
+    for name in profile.parts:
+        without._cache[(name, 2, True)] = dataclasses.replace(profile.part(name, 2, True), partial_grad_bytes=0)
+    for m in (1, 2):
+        plan = Plan(tp=2, sequence_parallel=True, microbatches=m)
+        summed = Costing(profile, sizes, cpu).candidate(plan).time.tp_comm
+        unsummed = Costing(without, sizes, cpu).candidate(plan).time.tp_comm
+        assert summed - unsummed == pytest.approx(cpu.collective_seconds("all_reduce", partial, 2) + cpu.sync(2))

@@ -56,6 +56,7 @@ class _Stage:
     groups: int  # ZeRO-3 flat groups (one per layer): a gather in forward and backward, a reduce-scatter each
     kept: float  # activation bytes one microbatch keeps
     transient: float
+    partial_grads: int = 0  # bytes of replicated weights' gradients summed over tp once a step
 
 
 class Costing:
@@ -123,6 +124,9 @@ class Costing:
             window = max(s.backward for s in stages)
             in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
+        partial = max(sum(s.partial_grads for s in group) for group in _by_rank(stages, plan.pp))
+        if partial:  # summed over tp in one synchronous all-reduce a step, after backward (runtime/rank.py)
+            tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
         time = StepTime(
             compute=compute, recompute=recompute, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
@@ -198,7 +202,7 @@ class Costing:
         block_iter = iter(self.profile.block_names)
         for names in cut_names:
             f = b = r = tp = 0.0
-            params = elements = largest = groups = 0
+            params = elements = largest = groups = partial = 0
             kept = transient = boundary = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
@@ -217,6 +221,7 @@ class Costing:
                 elements += count * part.param_elements
                 largest = max(largest, part.largest_param_bytes)
                 groups += count * part.gather_groups
+                partial += count * part.partial_grad_bytes
                 k, tr, _ = part.at(choice, sizes)
                 kept += count * k
                 transient = max(transient, tr)
@@ -233,7 +238,7 @@ class Costing:
             if plan.pp > 1 and names:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
-            out.append(_Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient))
+            out.append(_Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial))
         return out
 
     def _data_parallel(
@@ -253,7 +258,7 @@ class Costing:
         calls = max(1, groups if plan.zero == 3 else math.ceil(grad_bytes / plan.bucket_bytes))
 
         def collectives(op: str, nbytes: float) -> float:
-            arrival = hw.sync_wait if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
+            arrival = hw.sync(plan.dp) if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
             return calls * (hw.collective_seconds(op, nbytes / calls, plan.dp, span) + arrival)
 
         dp_comm = zero3 = 0.0

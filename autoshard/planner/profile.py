@@ -26,8 +26,10 @@ from torch import fx
 
 from autoshard import passes
 from autoshard.hardware import Hardware
-from autoshard.meta import COST, RECOMPUTE, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape
+from autoshard.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
 from autoshard.ops import ALIASING, packet
+from autoshard.placements import Partial, Shard
+from autoshard.runtime import tp as tp_ops
 
 __all__ = ["ModelProfile", "PartAtDegree", "PartTimes", "profile_graph"]
 
@@ -133,6 +135,9 @@ class PartAtDegree:
     # Trainable parameters it reads that another part owns (a tied head): (target, owner part, bytes, elements)
     # of one rank's shard. A pipeline stage without the owner holds its own copy, with gradient and state.
     tied: tuple[tuple[str, str, int, int], ...] = ()
+    # Its replicated weights whose gradients each rank holds a part of (sequence parallel's norms, a bias added
+    # after a reduce-scatter): summed over tp once a step, after backward.
+    partial_grad_bytes: int = 0
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -221,9 +226,9 @@ def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) 
     for c in part.comms:
         full = max(_value(c.nbytes_in, sizes), _value(c.nbytes_out, sizes))
         if c.forward:  # synchronous: each waits for the last rank to arrive
-            tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync_wait
+            tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
         if c.backward:
-            tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync_wait
+            tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
     return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
 
 
@@ -293,13 +298,28 @@ def _local_params(
     return total, elements, total, len(layers), tuple(tied)
 
 
-def _comms(gm: fx.GraphModule) -> tuple[Comm, ...]:
+def _comms(gm: fx.GraphModule, hands_on: bool) -> tuple[Comm, ...]:
+    """Every collective a microbatch of the part issues over tp: those the rewrite inserted, those of the ops it
+    put in (a vocab-parallel loss), and where it ``hands_on`` a partial sum (an embedding's), the all-reduce that
+    the next part's first reader makes of it (a part is profiled reading its inputs replicated). A sequence
+    shard handed on needs none here: the next part's collectives for a replicated input stand in for sequence
+    parallel's gather at its entry."""
     out = []
     for node in gm.graph.nodes:
         if TP_COMM in node.meta:
             c = node.meta[TP_COMM]
             source = next((a for a in node.all_input_nodes if a.op != "get_attr"), node)
             out.append(Comm(c.forward, c.backward, get_shape(source).nbytes, get_shape(node).nbytes))
+        elif node.target is tp_ops.vocab_parallel_cross_entropy:
+            logits = get_shape(node.args[1]).tensors[0]
+            for values in tp_ops.CROSS_ENTROPY_ALL_REDUCES:
+                nbytes = logits.sizes[0] * values * logits.dtype.itemsize
+                out.append(Comm("all_reduce", None, nbytes, nbytes))
+        elif node.op == "output" and TP in node.meta and hands_on:
+            for value, placement in zip(node.args[0], get_tp(node).out):
+                nbytes = get_shape(value).nbytes if isinstance(value, fx.Node) else 0
+                if isinstance(placement, Partial):
+                    out.append(Comm("all_reduce", None, nbytes, nbytes))
     return tuple(out)
 
 
@@ -320,24 +340,39 @@ def _profile_part(
     sp: bool,
     sizes: dict[str, int],
     kernels: str,
+    hands_on: bool = True,
 ) -> PartAtDegree:
+    """``hands_on``: another part reads its outputs (the last part's are the model's, returned as they are)."""
     g = copy.deepcopy(sub)
     sharded = False
+    partial: tuple[str, ...] = ()
     if degree > 1:
         report = passes.run_pass(passes.tp_placement.PASS, g, degree, sp, sizes).value
-        from autoshard.placements import Shard
-
         sharded = any(isinstance(p, Shard) for p in report.weights.values())
-        passes.run_pass(passes.tp_rewrite.PASS, g, degree, sp)
+        partial = passes.run_pass(passes.tp_rewrite.PASS, g, degree, sp).value
         passes.run_pass(passes.cost_model.PASS, g)  # FLOPs of the local shapes
-    works, comms = _works(g), _comms(g)
+    works, comms = _works(g), _comms(g, hands_on)
     param_bytes, elements, largest, groups, tied = _local_params(g, owned, owners)
     out_node = next(n for n in g.graph.nodes if n.op == "output")
     boundary = sympy.Add(
         *(get_shape(v).nbytes for v in out_node.args[0] if isinstance(v, fx.Node) and get_shape(v).requires_grad)
     )
+    attrs = {n.target: n for n in g.graph.nodes if n.op == "get_attr" and n.target in owned}
+    partial_bytes = sum(int(evaluate_expr(get_shape(attrs[t]).nbytes, {})) for t in partial if t in attrs)
     return PartAtDegree(
-        works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels, tied
+        works,
+        comms,
+        param_bytes,
+        elements,
+        largest,
+        groups,
+        sharded,
+        boundary,
+        degree,
+        g,
+        kernels,
+        tied,
+        partial_bytes,
     )
 
 
@@ -361,7 +396,14 @@ class ModelProfile:
         key = (name, degree, sp and degree > 1)
         if key not in self._cache:
             self._cache[key] = _profile_part(
-                self.parts[name], self.owned[name], self.tied[name], degree, key[2], self.sizes, self.kernels
+                self.parts[name],
+                self.owned[name],
+                self.tied[name],
+                degree,
+                key[2],
+                self.sizes,
+                self.kernels,
+                hands_on=name != "post",
             )
         return self._cache[key]
 

@@ -157,14 +157,14 @@ def _op_overhead(device: torch.device, shared: bool) -> float:
     return _compute_seconds(chain, device, 0.05, shared) / ops
 
 
-def _sync_wait(device: torch.device, calls: int = 60) -> float:
-    """What a synchronous collective waits beyond its own time when it follows compute (ranks that share cores
-    arrive apart): the median time in a tiny all-reduce right after some compute, less its median alone.
-    How far apart ranks arrive varies from one call to the next (where the scheduler's slices fall), so
-    each call is timed by itself and the typical one kept."""
+def _sync_wait(device: torch.device, group: Any, calls: int = 60) -> float:
+    """What a synchronous collective over ``group`` waits beyond its own time when it follows compute (ranks
+    that share cores arrive apart): the median time in a tiny all-reduce right after some compute, less its
+    median alone. How far apart ranks arrive varies from one call to the next (where the scheduler's slices
+    fall), so each call is timed by itself and the typical one kept. Every rank of the world runs it at
+    once (each in its own group), as training's groups do."""
     a, b = torch.randn(256, 512, device=device), torch.randn(512, 256, device=device)
     tiny = torch.ones(256, device=device)
-    group = _TOGETHER[0]
 
     def timed_sync() -> float:
         start = time.perf_counter()
@@ -303,15 +303,19 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
         probe = base.with_(peak_flops={dtype_name: peak, "float32": peak}, matmul_efficiency=1.0,
                            matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead)  # fmt: skip
         work, each_op = _scales([_workload(device, probe, shared > 0, size) for size in _WORKLOADS])
-        sync = _sync_wait(device) if _TOGETHER[0] is not None and not cuda else 0.0  # alike on every rank
-        figures = [peak / work, half, bandwidth / work, overhead * each_op, shared, sync]
+        figures = [peak / work, half, bandwidth / work, overhead * each_op, shared]
     finally:
         _TOGETHER[0] = None
     fits: list[tuple[str, str, int, float, float]] = []
+    waits: list[tuple[int, float]] = []  # (group size, sync wait) where ranks share cores
     if distributed and world > 1:
         for layout in _groups(world):
             made = [shared_group(ranks, default_pg_timeout) for ranks in layout]  # every rank makes every group
             mine = next(i for i, ranks in enumerate(layout) if me in ranks) if any(me in r for r in layout) else None
+            if shared:
+                # A rank outside every group of the layout (an odd world's last) waits on none.
+                dist.barrier(group=group)
+                waits.append((len(layout[0]), _sync_wait(device, made[mine]) if mine is not None else 0.0))
             for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
                 times = [0.0, 0.0]
                 if mine is not None:
@@ -320,19 +324,21 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
                 n = len(layout[0])
                 scope = "intra" if n <= per_node else "inter"
                 fits.append((op, scope, n, *times))
-        timings = torch.tensor([t for *_, s, lg in fits for t in (s, lg)], dtype=torch.float64, device=device)
+        timings = [t for *_, s, lg in fits for t in (s, lg)] + [w for _, w in waits]
+        timings = torch.tensor(timings, dtype=torch.float64, device=device)
         local = torch.tensor(figures, dtype=torch.float64, device=device)
         local[0] = -local[0]  # the slowest rank's: MAX of the negation
         local[2] = -local[2]
         local[4] = -local[4]
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), -local[4].item(),
-                   local[5].item()]  # fmt: skip
+        figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), -local[4].item()]
         fits = [(op, scope, n, timings[2 * i].item(), timings[2 * i + 1].item())
                 for i, (op, scope, n, *_) in enumerate(fits)]  # fmt: skip
-    peak, half, bandwidth, overhead, shared, sync = figures
-    sync = sync if shared else 0.0  # ranks with cores of their own arrive together
+        waits = [(n, timings[2 * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
+    peak, half, bandwidth, overhead, shared = figures
+    # Ranks with cores of their own arrive together: no waits measured, none paid.
+    sync = next((w for n, w in waits if n == world), 0.0)
     collectives = []
     for op, scope, n, small, large in fits:
         bw, latency = _fit(op, n, small, large, bandwidth)
@@ -359,5 +365,6 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
         collectives=tuple(collectives),
         shared_cores=shared,
         sync_wait=sync,
+        group_sync_waits=tuple(waits),
         source=f"Hardware.measure() on {world} rank(s), {time.strftime('%Y-%m-%d')}",
     )

@@ -35,6 +35,7 @@ from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.graph_break import stays_eager
 
 __all__ = [
+    "CROSS_ENTROPY_ALL_REDUCES",
     "TensorParallel",
     "UnboundTensorParallel",
     "all_gather",
@@ -278,6 +279,11 @@ def vocab_parallel_embedding(
     local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else None
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, padding_idx=local_padding)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+# The forward all-reduces of vocab_parallel_cross_entropy, as values per row of its logits (what the planner
+# costs): the row max, then the sum of exponentials and the target's logit stacked into one.
+CROSS_ENTROPY_ALL_REDUCES = (1, 2)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
