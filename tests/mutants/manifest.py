@@ -512,4 +512,32 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "optimizer",
     },
+    {
+        "name": "67_planner_vocab_parallel_loss_costs_no_collectives",
+        "file": "autoshard/planner/profile.py",
+        "why": "the vocab-parallel loss's own all-reduces (row max; sum of exponentials and target logit) go uncosted",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "tensor_parallel_rank_issues",
+    },
+    {
+        "name": "68_planner_partial_output_handed_on_unreduced",
+        "file": "autoshard/planner/profile.py",
+        "why": "a part that hands on a partial sum (the embedding's) is costed without the all-reduce its reader makes",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "tensor_parallel_rank_issues",
+    },
+    {
+        "name": "69_sync_wait_alike_in_every_group_size",
+        "file": "autoshard/hardware.py",
+        "why": "a pair of ranks is costed the arrival wait of the largest group measured, not of its own size",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "group_size_was_measured",
+    },
+    {
+        "name": "70_planner_partial_gradients_summed_every_microbatch",
+        "file": "autoshard/planner/costing.py",
+        "why": "sequence parallel's sum of partial gradients is costed once a microbatch, not once a step",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "once_a_step",
+    },
 ]
