@@ -8,13 +8,13 @@ compiler's own passes run on it: ``tp_placement`` and ``tp_rewrite`` at each deg
 sequence parallelism), then ``recompute`` and ``saved_tensors`` for each choice. So the traffic is what
 the rewrite inserts and the activation bytes are what autograd keeps, not a formula. Blocks whose nodes
 match op for op and shape for shape are one kind, profiled once (an 80-layer Llama: one block).
-Everything stays symbolic in the model's sizes (B, S); ``PartAtDegree.times`` evaluates at a microbatch.
+Everything stays symbolic in the model's sizes (B, S); ``PartAtDegree.times`` evaluates at a microbatch
+(autoshard/planner/part_times.py).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,9 +29,10 @@ from autoshard.hardware import Hardware
 from autoshard.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
 from autoshard.ops import ALIASING, packet
 from autoshard.placements import Partial, Shard
+from autoshard.planner.part_times import Comm, PartTimes, Work, part_times, value
 from autoshard.runtime import tp as tp_ops
 
-__all__ = ["ModelProfile", "PartAtDegree", "PartTimes", "profile_graph"]
+__all__ = ["ModelProfile", "PartAtDegree", "profile_graph"]
 
 aten = torch.ops.aten
 _NO_WORK = {"placeholder", "get_attr", "output"}
@@ -75,48 +76,6 @@ def _on_meta(value: Any) -> Any:
     return meta
 
 
-@dataclass(frozen=True)
-class Work:
-    """One node's work, symbolic: FLOPs forward and backward, matmul dimensions, bytes it moves."""
-
-    name: str
-    flops_fwd: sympy.Expr
-    flops_bwd: sympy.Expr
-    dims: tuple[sympy.Expr, ...]  # (m, n, k) of a matmul; () otherwise
-    nbytes: sympy.Expr  # read and written in forward
-    grad: bool  # backward runs for it
-    kernel: bool  # launches a kernel (views and bookkeeping do not)
-
-
-@dataclass(frozen=True)
-class Comm:
-    """A collective the tp rewrite inserted: its forward and backward operation and the local bytes."""
-
-    forward: str | None
-    backward: str | None
-    nbytes_in: sympy.Expr  # the larger of the two is the full size a collective is timed by
-    nbytes_out: sympy.Expr
-
-
-@dataclass(frozen=True)
-class PartTimes:
-    """Seconds one microbatch of a part takes on one rank."""
-
-    forward: float
-    backward: float
-    tp_forward: float
-    tp_backward: float
-    by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
-
-    def recompute(self, part: PartAtDegree, choice: str) -> float:
-        """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
-        if choice == "none":
-            return 0.0
-        if choice == "full":
-            return self.forward + self.tp_forward
-        return sum(self.by_node.get(n, 0.0) for n in part.recomputed(choice))
-
-
 @dataclass
 class PartAtDegree:
     """One part of the model at one tp degree (and sequence parallelism or not), symbolic in B and S."""
@@ -151,7 +110,7 @@ class PartAtDegree:
         key = (choice, tuple(sorted(sizes.items())))
         if key not in self._at:
             kept, transient = self.saved(choice)
-            self._at[key] = (_value(kept, sizes), _value(transient, sizes), _value(self.boundary_bytes, sizes))
+            self._at[key] = (value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes))
         return self._at[key]
 
     def recompute_flops(self, choice: str, sizes: dict[str, int]) -> float:
@@ -160,7 +119,7 @@ class PartAtDegree:
         if key not in self._at:
             names = self.recomputed(choice) if choice not in ("none", "full") else frozenset()
             works = [w for w in self.works if choice == "full" or w.name in names]
-            self._at[key] = (sum(_value(w.flops_fwd, sizes) for w in works), 0.0, 0.0)
+            self._at[key] = (sum(value(w.flops_fwd, sizes) for w in works), 0.0, 0.0)
         return self._at[key][0]
 
     def recomputed(self, choice: str) -> frozenset[str]:
@@ -183,53 +142,8 @@ class PartAtDegree:
         """One microbatch of ``sizes`` (B: its rows) on one rank of ``hw``."""
         key = (tuple(sorted(sizes.items())), id(hw), str(dtype))
         if key not in self._times:
-            self._times[key] = _times(self, sizes, hw, dtype)
+            self._times[key] = part_times(self, sizes, hw, dtype)
         return self._times[key]
-
-
-def _value(expr: Any, sizes: dict[str, int]) -> float:
-    if not isinstance(expr, sympy.Basic):
-        return float(expr)
-    return _evaluated(expr, tuple(sorted(sizes.items())))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
-    # The same few expressions (B*S*h, ...) at the same sizes recur across parts, degrees and plans; sympy's
-    # substitution was a fifth of a 1024-rank search.
-    return float(evaluate_expr(expr, dict(sizes)))
-
-
-def _times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
-    every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
-    forward = backward = 0.0
-    by_name: dict[str, float] = {}
-    for w in part.works:
-        if not (w.kernel or every_kernel):
-            continue
-        flops_fwd, nbytes = _value(w.flops_fwd, sizes), _value(w.nbytes, sizes)
-        if w.dims:
-            dims = tuple(max(1.0, _value(d, sizes)) for d in w.dims)
-            f = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
-            flops_bwd = _value(w.flops_bwd, sizes)
-            b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
-        else:
-            f = hw.memory_seconds(nbytes if w.kernel else 0.0)
-            b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0
-        forward += f
-        backward += b
-        by_name[w.name] = f
-    # Every backward adds its parameters' gradients into the buffers they accumulate in (autograd's
-    # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written.
-    backward += hw.memory_seconds(3 * part.param_bytes, kernels=0)
-    tp_fwd = tp_bwd = 0.0
-    for c in part.comms:
-        full = max(_value(c.nbytes_in, sizes), _value(c.nbytes_out, sizes))
-        if c.forward:  # synchronous: each waits for the last rank to arrive
-            tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
-        if c.backward:
-            tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
-    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
 
 
 def _works(gm: fx.GraphModule) -> tuple[Work, ...]:

@@ -1,0 +1,111 @@
+"""What one microbatch of a model part costs on one rank: the work of its nodes (a matmul's FLOPs at the
+efficiency its shape reaches and its operands' pass over memory, an elementwise kernel's bytes at the memory
+bandwidth, each kernel's overhead), its gradients added into their buffers, and its tp collectives, each
+waiting for the last rank of its group. The part's works and collectives are what autoshard/planner/profile.py
+reads off its rewritten graph, symbolic in B and S; here they are evaluated at a microbatch's sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sympy
+
+from autoshard.hardware import Hardware
+from autoshard.meta import evaluate_expr
+
+if TYPE_CHECKING:
+    from autoshard.planner.profile import PartAtDegree
+
+__all__ = ["Comm", "PartTimes", "Work", "part_times", "value"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """One node's work, symbolic: FLOPs forward and backward, matmul dimensions, bytes it moves."""
+
+    name: str
+    flops_fwd: sympy.Expr
+    flops_bwd: sympy.Expr
+    dims: tuple[sympy.Expr, ...]  # (m, n, k) of a matmul; () otherwise
+    nbytes: sympy.Expr  # read and written in forward
+    grad: bool  # backward runs for it
+    kernel: bool  # launches a kernel (views and bookkeeping do not)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A collective the tp rewrite inserted: its forward and backward operation and the local bytes."""
+
+    forward: str | None
+    backward: str | None
+    nbytes_in: sympy.Expr  # the larger of the two is the full size a collective is timed by
+    nbytes_out: sympy.Expr
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """Seconds one microbatch of a part takes on one rank."""
+
+    forward: float
+    backward: float
+    tp_forward: float
+    tp_backward: float
+    by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
+
+    def recompute(self, part: PartAtDegree, choice: str) -> float:
+        """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
+        if choice == "none":
+            return 0.0
+        if choice == "full":
+            return self.forward + self.tp_forward
+        return sum(self.by_node.get(n, 0.0) for n in part.recomputed(choice))
+
+
+def value(expr: Any, sizes: dict[str, int]) -> float:
+    """``expr`` (a sympy expression in B and S, or a number) at ``sizes``."""
+    if not isinstance(expr, sympy.Basic):
+        return float(expr)
+    return _evaluated(expr, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
+    # The same few expressions (B*S*h, ...) at the same sizes recur across parts, degrees and plans; sympy's
+    # substitution was a fifth of a 1024-rank search.
+    return float(evaluate_expr(expr, dict(sizes)))
+
+
+def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
+    """One microbatch of ``part`` at ``sizes`` (B: its rows) on one rank of ``hw``, its tensors ``dtype``."""
+    every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
+    forward = backward = 0.0
+    by_name: dict[str, float] = {}
+    for w in part.works:
+        if not (w.kernel or every_kernel):
+            continue
+        flops_fwd, nbytes = value(w.flops_fwd, sizes), value(w.nbytes, sizes)
+        if w.dims:
+            dims = tuple(max(1.0, value(d, sizes)) for d in w.dims)
+            f = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
+            flops_bwd = value(w.flops_bwd, sizes)
+            b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
+        else:
+            f = hw.memory_seconds(nbytes if w.kernel else 0.0)
+            b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0
+        forward += f
+        backward += b
+        by_name[w.name] = f
+    # Every backward adds its parameters' gradients into the buffers they accumulate in (autograd's
+    # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written.
+    backward += hw.memory_seconds(3 * part.param_bytes, kernels=0)
+    tp_fwd = tp_bwd = 0.0
+    for c in part.comms:
+        full = max(value(c.nbytes_in, sizes), value(c.nbytes_out, sizes))
+        if c.forward:  # synchronous: each waits for the last rank to arrive
+            tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
+        if c.backward:
+            tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
