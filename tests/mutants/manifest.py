@@ -486,7 +486,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "63_planner_gradient_accumulation_one_pass",
-        "file": "autoshard/planner/profile.py",
+        "file": "autoshard/planner/part_times.py",
         "why": "a backward's gradient accumulation is costed as one pass over the gradients, not two reads and a write",
         "tests": ["tests/test_planner_rules.py"],
         "k": "adds_its_gradients",
