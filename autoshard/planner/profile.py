@@ -230,8 +230,8 @@ def _comms(gm: fx.GraphModule, hands_on: bool) -> tuple[Comm, ...]:
                 nbytes = logits.sizes[0] * values * logits.dtype.itemsize
                 out.append(Comm("all_reduce", None, nbytes, nbytes))
         elif node.op == "output" and TP in node.meta and hands_on:
-            for value, placement in zip(node.args[0], get_tp(node).out):
-                nbytes = get_shape(value).nbytes if isinstance(value, fx.Node) else 0
+            for handed, placement in zip(node.args[0], get_tp(node).out):
+                nbytes = get_shape(handed).nbytes if isinstance(handed, fx.Node) else 0
                 if isinstance(placement, Partial):
                     out.append(Comm("all_reduce", None, nbytes, nbytes))
     return tuple(out)
@@ -273,21 +273,8 @@ def _profile_part(
     )
     attrs = {n.target: n for n in g.graph.nodes if n.op == "get_attr" and n.target in owned}
     partial_bytes = sum(int(evaluate_expr(get_shape(attrs[t]).nbytes, {})) for t in partial if t in attrs)
-    return PartAtDegree(
-        works,
-        comms,
-        param_bytes,
-        elements,
-        largest,
-        groups,
-        sharded,
-        boundary,
-        degree,
-        g,
-        kernels,
-        tied,
-        partial_bytes,
-    )
+    return PartAtDegree(works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels,
+                        tied, partial_bytes)  # fmt: skip
 
 
 @dataclass
@@ -309,16 +296,9 @@ class ModelProfile:
     def part(self, name: str, degree: int, sp: bool) -> PartAtDegree:
         key = (name, degree, sp and degree > 1)
         if key not in self._cache:
-            self._cache[key] = _profile_part(
-                self.parts[name],
-                self.owned[name],
-                self.tied[name],
-                degree,
-                key[2],
-                self.sizes,
-                self.kernels,
-                hands_on=name != "post",
-            )
+            part = self.parts[name]
+            self._cache[key] = _profile_part(part, self.owned[name], self.tied[name], degree, key[2], self.sizes,
+                                             self.kernels, hands_on=name != "post")  # fmt: skip
         return self._cache[key]
 
     def shards(self, degree: int) -> bool:

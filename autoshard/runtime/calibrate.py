@@ -307,12 +307,12 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
     finally:
         _TOGETHER[0] = None
     fits: list[tuple[str, str, int, float, float]] = []
-    waits: list[tuple[int, float]] = []  # (group size, sync wait) where ranks share cores
+    waits: list[tuple[int, float]] = []  # (group size, sync wait) on CPU ranks
     if distributed and world > 1:
         for layout in _groups(world):
             made = [shared_group(ranks, default_pg_timeout) for ranks in layout]  # every rank makes every group
             mine = next(i for i, ranks in enumerate(layout) if me in ranks) if any(me in r for r in layout) else None
-            if shared:
+            if not cuda:  # every rank alike (kept only where ranks share cores, below)
                 # A rank outside every group of the layout (an odd world's last) waits on none.
                 dist.barrier(group=group)
                 waits.append((len(layout[0]), _sync_wait(device, made[mine]) if mine is not None else 0.0))
@@ -337,7 +337,7 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
                 for i, (op, scope, n, *_) in enumerate(fits)]  # fmt: skip
         waits = [(n, timings[2 * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
     peak, half, bandwidth, overhead, shared = figures
-    # Ranks with cores of their own arrive together: no waits measured, none paid.
+    waits = waits if shared else []  # ranks with cores of their own arrive together
     sync = next((w for n, w in waits if n == world), 0.0)
     collectives = []
     for op, scope, n, small, large in fits:
