@@ -37,7 +37,8 @@ class Work:
 
 @dataclass(frozen=True)
 class Comm:
-    """A collective the tp rewrite inserted: its forward and backward operation and the local bytes."""
+    """A tp collective of a part (inserted by the rewrite, issued by an op it put in, or reducing a partial sum the
+    part hands on): its forward and backward operation and the local bytes."""
 
     forward: str | None
     backward: str | None
