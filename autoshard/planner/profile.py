@@ -226,8 +226,9 @@ def _comms(gm: fx.GraphModule, hands_on: bool) -> tuple[Comm, ...]:
             out.append(Comm(c.forward, c.backward, get_shape(source).nbytes, get_shape(node).nbytes))
         elif node.target is tp_ops.vocab_parallel_cross_entropy:
             logits = get_shape(node.args[1]).tensors[0]
+            rows = logits.numel / logits.sizes[1]  # every value but the classes (dim 1): what the row max keeps
             for values in tp_ops.CROSS_ENTROPY_ALL_REDUCES:
-                nbytes = logits.sizes[0] * values * logits.dtype.itemsize
+                nbytes = rows * values * logits.dtype.itemsize
                 out.append(Comm("all_reduce", None, nbytes, nbytes))
         elif node.op == "output" and TP in node.meta and hands_on:
             for handed, placement in zip(node.args[0], get_tp(node).out):
