@@ -17,6 +17,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from autoshard import gloo_via_host
+
 __all__ = ["LocalRanks", "RankFailure", "init_from_torchrun"]
 
 
@@ -73,14 +75,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, inbox: Any, outbox: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, device: str, threads: int, inbox: Any, outbox: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())  # NCCL: one GPU per rank
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # NCCL: one GPU per rank; else they share
+    if backend == gloo_via_host.BACKEND:
+        gloo_via_host.register()
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -102,21 +108,42 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, i
 
 
 class LocalRanks:
-    """``world_size`` local processes in one gloo process group, kept alive between ``run`` calls."""
+    """``world_size`` local processes in one process group, kept alive between ``run`` calls.
 
-    def __init__(self, world_size: int, backend: str = "gloo", threads: int = 1, timeout: float = 600.0) -> None:
+    ``device="cpu"`` (the default): gloo ranks on the CPU. ``device="cuda"``: each rank on a GPU of its
+    own over NCCL where there are enough of them, else the ranks share the GPUs and their collectives
+    run on gloo through host memory (autoshard/gloo_via_host.py; NCCL refuses two ranks on one GPU).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str | None = None,
+        threads: int = 1,
+        timeout: float = 600.0,
+        device: str = "cpu",
+    ) -> None:
+        import torch
+
+        from autoshard.errors import DistributedError
+
+        if device not in ("cpu", "cuda"):
+            raise DistributedError(f"LocalRanks(device={device!r}): the device is 'cpu' or 'cuda'")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise DistributedError("LocalRanks(device='cuda'): this torch sees no CUDA device; use device='cpu'")
+        if backend is None:
+            gpus = torch.cuda.device_count() if device == "cuda" else 0
+            backend = "gloo" if device == "cpu" else "nccl" if gpus >= world_size else gloo_via_host.BACKEND
         if backend == "nccl":
-            import torch
-
             if torch.cuda.device_count() < world_size:
-                from autoshard.errors import DistributedError
-
                 raise DistributedError(
                     f"LocalRanks({world_size}, backend='nccl') needs a CUDA device per rank, but this torch sees "
                     f"{torch.cuda.device_count()}; use backend='gloo' on the CPU, or fewer ranks"
                 )
+            device = "cuda"
         self.world_size = world_size
         self.backend = backend
+        self.device = device
         self.threads = threads
         self.timeout = timeout
         self._ctx = mp.get_context("spawn")
@@ -133,7 +160,7 @@ class LocalRanks:
             inbox = self._ctx.Queue()
             proc = self._ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, self.backend, self.threads, inbox, self._outbox),
+                args=(rank, self.world_size, port, self.backend, self.device, self.threads, inbox, self._outbox),
                 daemon=True,
             )
             proc.start()
