@@ -28,6 +28,7 @@ from torch import nn
 
 from autoshard.runtime.comm import CommCounter, same_view
 from autoshard.runtime.flat import FlatLayout
+from autoshard.runtime.masters import Masters
 from autoshard.runtime.optim import weak_grad_hook
 
 __all__ = ["Groups", "Holder", "InOrderLauncher", "Masters", "ReplicatedHolder", "ShardedGrads", "ShardedHolder"]
@@ -213,53 +214,6 @@ class ReplicatedHolder(Holder):
         reduced = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}  # one per bucket
         gradients = _nbytes(self.buffers.values()) + sum(reduced.values())
         return {"parameters": _nbytes(self.params()), "gradients": gradients}
-
-
-class Masters:
-    """The tensors the optimizer steps under ZeRO: this rank's fp32 shard of each group.
-
-    When the compute shards are fp32 and stay on the device, the masters share their storage; with
-    lower-precision parameters or offload they are separate fp32 copies (on the CPU with offload),
-    and the update is copied back after each step.
-    """
-
-    def __init__(self, compute: dict[int, torch.Tensor], offload: bool, initial: dict[int, torch.Tensor] | None):
-        """``initial``: fp32 starting values per group where the compute shards were rounded (mixed precision)."""
-        self.compute = compute
-        self.separate = offload or any(t.dtype != torch.float32 for t in compute.values())
-        device = torch.device("cpu") if offload else None
-        self.tensors: dict[int, nn.Parameter] = {}
-        for g, shard in compute.items():
-            if self.separate:
-                source = initial[g] if initial else shard.detach()
-                self.tensors[g] = nn.Parameter(source.to(device=device or shard.device, dtype=torch.float32, copy=True))
-            else:
-                self.tensors[g] = nn.Parameter(shard.detach())  # shares storage
-
-    def set_grads(self, grads: dict[int, torch.Tensor | None]) -> None:
-        for g, master in self.tensors.items():
-            grad = grads.get(g)
-            if grad is None:
-                master.grad = None
-            else:
-                master.grad = grad.to(master.device, torch.float32) if self.separate else grad
-
-    def write_back(self) -> None:
-        with torch.no_grad():
-            for g, master in self.tensors.items():
-                if self.separate:
-                    self.compute[g].copy_(master.detach())
-                master.grad = None
-
-    def reload(self) -> None:
-        """After the compute shards were overwritten (a state dict was loaded): copy them into the masters."""
-        if self.separate:
-            with torch.no_grad():
-                for g, master in self.tensors.items():
-                    master.copy_(self.compute[g].detach())
-
-    def nbytes(self) -> int:
-        return _nbytes(self.tensors.values()) if self.separate else 0
 
 
 class ShardedGrads(Holder):

@@ -22,7 +22,8 @@ from torch import nn
 from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import FlatLayout
 from autoshard.runtime.graph_break import stays_eager
-from autoshard.runtime.holders import Groups, Masters, ShardedGrads, _nbytes
+from autoshard.runtime.holders import Groups, ShardedGrads, _nbytes
+from autoshard.runtime.masters import Masters
 from autoshard.runtime.tracing import span
 
 __all__ = ["UnboundZero3Runtime", "Zero3Holder", "Zero3Runtime", "gather", "mark"]

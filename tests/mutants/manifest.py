@@ -102,7 +102,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "13_masters_not_written_back",
-        "file": "autoshard/runtime/holders.py",
+        "file": "autoshard/runtime/masters.py",
         "why": (
             "separate fp32 masters (bf16 parameters, offload) are stepped but never copied back into the parameters"
         ),
