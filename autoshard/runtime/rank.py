@@ -159,6 +159,7 @@ class RankRuntime:
             self._broadcast_from_first_dp_rank([*dict.fromkeys(self.tensors.values()), *masters.values()])
         # 5. the holder of this rank's flat groups; single-device dropout masks
         self.holder = self._make_holder(masters)
+        compiled.master_values = None  # the holder keeps this rank's fp32 shards; the whole copies can go
         self.masks = self._make_masks() if compiled.masks else None
         # 6. bind, and the optimizer
         self.channel = PipelineChannel() if self.schedule else None
@@ -194,8 +195,7 @@ class RankRuntime:
         # Replicated activations must see the same dropout masks on every tp rank: share tp rank 0's
         # random state (and seed, from which each rank's own stream for sharded activations derives).
         first = self.mesh.group("tp", self.rank)[0]
-        nccl = dist.get_backend(group) == "nccl"
-        wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        wire = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
 
         def shared(tensor: torch.Tensor) -> torch.Tensor:
             on_wire = tensor.to(wire)
@@ -203,8 +203,8 @@ class RankRuntime:
             return on_wire.cpu()
 
         torch.set_rng_state(shared(torch.get_rng_state()))
-        if nccl:
-            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state()))
+        if self.device.type == "cuda":  # dropout on the GPU draws from its generator, whatever the backend
+            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state(self.device)), self.device)
         seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
         return TensorParallel(group, self.comm, int(seed))
 
@@ -360,7 +360,10 @@ class RankRuntime:
             holder.masters.set_grads(holder.grad_shards)
         self.last_step_memory = self.memory()
         with span("optimizer"):
-            self.optimizer.step()
+            if holder.masters is not None:
+                holder.masters.step(self.optimizer)  # offload: wave by wave on the host
+            else:
+                self.optimizer.step()
             holder.after_step()
         if work is not None:
             work.wait()
