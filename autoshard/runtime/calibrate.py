@@ -42,6 +42,7 @@ from autoshard.runtime.rank import shared_group
 __all__ = ["measure"]
 
 _SIZES = (64, 128, 256, 512, 1024)
+_GPU_SIZES = (512, 1024, 2048, 4096, 8192)  # a GPU's GEMMs reach their rate only past a few thousand
 _SMALL, _LARGE = 2**10, 2**24  # collective message bytes: latency-bound, bandwidth-bound
 _LEAST = 0.03  # seconds each collective timing lasts: a single call is within a scheduler's noise on shared cores
 
@@ -120,8 +121,9 @@ def _matmul(device: torch.device, dtype: torch.dtype, shared: bool, packing: flo
     """(peak FLOP/s, half dimension). ``packing``: the memory bandwidth at which the GEMMs pack their operands
     before multiplying, where they do (``Hardware.packs_operands``: matmul_seconds adds that pass, so the fit
     leaves it out); 0 where the multiply hides it."""
+    sizes = _GPU_SIZES if device.type == "cuda" else _SIZES
     rates = {}
-    for n in _SIZES:
+    for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         seconds = _compute_seconds(lambda a=a, b=b: a @ b, device, 0.05, shared)
@@ -130,18 +132,32 @@ def _matmul(device: torch.device, dtype: torch.dtype, shared: bool, packing: flo
     peak = max(rates.values())
     best, best_error = 1.0, float("inf")
     for half in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
-        error = sum((rates[n] / peak - (n / (n + half)) ** 3 / (max(_SIZES) / (max(_SIZES) + half)) ** 3) ** 2
-                    for n in _SIZES)  # fmt: skip
+        error = sum((rates[n] / peak - (n / (n + half)) ** 3 / (max(sizes) / (max(sizes) + half)) ** 3) ** 2
+                    for n in sizes)  # fmt: skip
         if error < best_error:
             best, best_error = float(half), error
-    peak /= (max(_SIZES) / (max(_SIZES) + best)) ** 3  # the asymptote the largest size approaches
+    peak /= (max(sizes) / (max(sizes) + best)) ** 3  # the asymptote the largest size approaches
     return peak, best
 
 
 def _memory_bandwidth(device: torch.device, shared: bool) -> float:
-    x = torch.empty(2**24, device=device)  # 64 MiB
+    x = torch.empty(2**26 if device.type == "cuda" else 2**24, device=device)  # 256 MiB past a GPU's L2; 64 MiB
     y = torch.empty_like(x)
     return 2 * x.numel() * x.element_size() / _compute_seconds(lambda: y.copy_(x), device, 0.05, shared)
+
+
+def _host_link(device: torch.device) -> tuple[float, float]:
+    """A GPU's (host link bandwidth, host memory bandwidth): 256 MiB copied between pinned host memory and
+    the device (the slower direction: offload moves gradients down and parameters up), and copied within
+    host memory (what the host's optimizer step streams through). Every rank at once: they share both."""
+    host = torch.empty(2**26, pin_memory=True)
+    on_device = torch.empty(2**26, device=device)
+    down = _seconds(lambda: host.copy_(on_device, non_blocking=True), device, least=0.05)
+    up = _seconds(lambda: on_device.copy_(host, non_blocking=True), device, least=0.05)
+    other = torch.empty_like(host)
+    within = _seconds(lambda: other.copy_(host), torch.device("cpu"), least=0.05)
+    nbytes = host.numel() * host.element_size()
+    return nbytes / max(down, up), 2 * nbytes / within
 
 
 def _op_overhead(device: torch.device, shared: bool) -> float:
@@ -187,6 +203,8 @@ def _sync_wait(device: torch.device, group: Any, calls: int = 60) -> float:
 # second's mostly matmuls, so their two timings fit the scale of the kernels' work and of the per-op overhead
 # apart, and noise in the single-op timings cannot tilt one against the other.
 _WORKLOADS = ((512, 128, 4, 2, 64, 4), (2048, 256, 8, 2, 128, 4))
+# On a GPU the second is still overhead-bound: one whose matmuls take milliseconds (bf16 autocast).
+_GPU_WORKLOADS = ((512, 128, 4, 2, 64, 4), (8192, 2048, 16, 2, 1024, 8))
 
 
 def _workload(device: torch.device, hardware: Hardware, shared: bool, size: tuple[int, ...]) -> tuple[float, ...]:
@@ -204,8 +222,12 @@ def _workload(device: torch.device, hardware: Hardware, shared: bool, size: tupl
     ids = torch.randint(0, vocab, (rows, seq), device=device)
     target = torch.randint(0, vocab, (rows, seq), device=device)
 
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the peak was measured
+
     def step() -> None:
-        next_token_loss(model(ids), target).backward()
+        with torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
+            loss = next_token_loss(model(ids), target)
+        loss.backward()
 
     measured = _compute_seconds(step, device, 0.3, shared)
     captured = capture(model, (ids,), None, next_token_loss, target)
@@ -216,7 +238,7 @@ def _workload(device: torch.device, hardware: Hardware, shared: bool, size: tupl
         total = 0.0
         for name in ("pre", *profile.blocks, "post"):
             if name in profile.parts:
-                times = profile.part(name, 1, False).times(captured.example_sizes, hw, torch.float32)
+                times = profile.part(name, 1, False).times(captured.example_sizes, hw, dtype)
                 total += times.forward + times.backward
         return total
 
@@ -300,10 +322,12 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
     try:
         bandwidth, overhead = _memory_bandwidth(device, shared > 0), _op_overhead(device, shared > 0)
         peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, bandwidth if base.packs_operands else 0.0)
+        link, host_memory = _host_link(device) if cuda else (0.0, 0.0)  # on a CPU: its memory bandwidth
         probe = base.with_(peak_flops={dtype_name: peak, "float32": peak}, matmul_efficiency=1.0,
                            matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead)  # fmt: skip
-        work, each_op = _scales([_workload(device, probe, shared > 0, size) for size in _WORKLOADS])
-        figures = [peak / work, half, bandwidth / work, overhead * each_op, shared]
+        workloads = _GPU_WORKLOADS if cuda else _WORKLOADS
+        work, each_op = _scales([_workload(device, probe, shared > 0, size) for size in workloads])
+        figures = [peak / work, half, bandwidth / work, overhead * each_op, shared, link, host_memory]
     finally:
         _TOGETHER[0] = None
     fits: list[tuple[str, str, int, float, float]] = []
@@ -330,13 +354,16 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
         local[0] = -local[0]  # the slowest rank's: MAX of the negation
         local[2] = -local[2]
         local[4] = -local[4]
+        local[5:] = -local[5:]  # the host figures: the slowest rank's
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), -local[4].item()]
+        figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), *(-local[4:]).tolist()]
         fits = [(op, scope, n, timings[2 * i].item(), timings[2 * i + 1].item())
                 for i, (op, scope, n, *_) in enumerate(fits)]  # fmt: skip
         waits = [(n, timings[2 * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
-    peak, half, bandwidth, overhead, shared = figures
+    peak, half, bandwidth, overhead, shared, link, host_memory = figures
+    if not cuda:
+        link = host_memory = bandwidth
     waits = waits if shared else []  # ranks with cores of their own arrive together
     sync = next((w for n, w in waits if n == world), 0.0)
     collectives = []
@@ -360,8 +387,8 @@ def measure(group: Any = None, *, name: str | None = None, memory_bytes: int | N
         op_overhead=overhead,
         intra_bandwidth=intra.bandwidth if intra else base.intra_bandwidth,
         intra_latency=intra.latency if intra else base.intra_latency,
-        host_bandwidth=bandwidth if not cuda else base.host_bandwidth,
-        host_memory_bandwidth=bandwidth if not cuda else base.host_memory_bandwidth,
+        host_bandwidth=link,
+        host_memory_bandwidth=host_memory,
         collectives=tuple(collectives),
         shared_cores=shared,
         sync_wait=sync,
