@@ -347,7 +347,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         if chosen.zero == 3:
             results.append(run_pass(passes.zero3_gather_free.PASS, graph))
         results.append(run_pass(passes.recompute.PASS, graph, chosen.recompute))
-        results.append(run_pass(passes.saved_tensors.PASS, graph, hardware.kernels))
+        results.append(run_pass(passes.saved_tensors.PASS, graph, hardware.kernels, False, chosen.autocast))
         saved.append((f"stage {index}" if stages else "graph", results[-1].value))
     cost = dataclasses.replace(cost, saved_for_backward=tuple(saved))
     placements = _placements(gm, model, chosen, stages_of, schedule, tp_report)

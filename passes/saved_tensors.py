@@ -12,6 +12,9 @@ the tensor it views (a view of a fused QKV output keeps all of it). A tensor the
 Parameters and graph inputs are not activations. A recompute region keeps only its inputs; the
 saves of its own nodes are live only while its backward runs (``ActivationMemory.transient``).
 
+Under autocast (the plan's ``autocast`` dtype) a value's bytes follow its dtype at run time, and an op that
+autocast casts for keeps the cast copies of the inputs it saves (autoshard/autocast_dtypes.py).
+
 Where kernels differ by device: scaled-dot-product attention without dropout runs the fused kernel
 on CPU and CUDA (keeps q, k, v, the output and the log-sum-exp); with dropout on CPU the math path
 (the score matrices). Dropout keeps a float mask on CPU and a one-byte mask on CUDA.
@@ -28,6 +31,7 @@ import sympy
 import torch
 from torch import fx
 
+from autoshard.autocast_dtypes import cast_to, run_dtypes
 from autoshard.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
 from autoshard.ops import ALIASING, WRAPPERS, packet, runs
 from autoshard.runtime import masks as mask_ops
@@ -115,14 +119,17 @@ _COPIES_IF_STRIDED = {aten.reshape, aten.contiguous, aten.flatten}
 _STRIDED = {aten.transpose, aten.permute, aten.expand, aten.t}
 
 
-def _root(node: Any) -> Any:
+def _root(node: Any, dtypes: dict[fx.Node, torch.dtype] | None = None) -> Any:
     """The value whose storage ``node`` views: past aliasing ops to the op that made it, or to a reshape
-    that had to copy (of a transposed or expanded tensor, as attention's outputs and repeated kv heads)."""
+    that had to copy (of a transposed or expanded tensor, as attention's outputs and repeated kv heads).
+    ``dtypes``: run-time dtypes under autocast, where a ``to`` that changes the dtype copies."""
     chain = []
     for _ in range(64):
         if not isinstance(node, fx.Node) or node.op != "call_function" or packet(node.target) not in ALIASING:
             break
         if node.target is operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        if dtypes and packet(node.target) is aten.to and dtypes.get(node) != dtypes.get(node.args[0]):
             break
         chain.append(node)
         node = node.args[0]
@@ -147,8 +154,9 @@ def _is_activation(root: fx.Node, part: bool = False) -> bool:
     return root.op == "call_function" and not _is_weight(root) and get_shape(root).tensors != ()
 
 
-def _probe_value(arg: Any) -> Any:
-    """A node argument at the probe sizes: a meta tensor, an int, or the constant itself."""
+def _probe_value(arg: Any, dtype: torch.dtype | None = None) -> Any:
+    """A node argument at the probe sizes: a meta tensor (in ``dtype``, its dtype at run time under
+    autocast, when given), an int, or the constant itself."""
     if not isinstance(arg, fx.Node):
         return arg
     shape = get_shape(arg)
@@ -157,7 +165,8 @@ def _probe_value(arg: Any) -> Any:
     t = shape.tensor
     sizes = [_value(s, PROBE) for s in t.sizes]
     grad = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
-    return torch.empty(sizes, dtype=t.dtype, device="meta", requires_grad=grad)
+    dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+    return torch.empty(sizes, dtype=dtype, device="meta", requires_grad=grad)
 
 
 def _dims_back(concrete: tuple[int, ...], known: list[sympy.Expr]) -> sympy.Expr:
@@ -170,8 +179,9 @@ def _dims_back(concrete: tuple[int, ...], known: list[sympy.Expr]) -> sympy.Expr
     return sympy.Mul(*(table.get(d, sympy.Integer(d)) for d in concrete))
 
 
-def _ops_saves(node: fx.Node, device_type: str) -> list[tuple[Any, sympy.Expr]] | None:
-    """What ``node`` keeps: (input or own node, bytes) pairs; None when it cannot be probed."""
+def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tuple[Any, sympy.Expr]] | None:
+    """What ``node`` keeps: (input or own node, bytes) pairs; None when it cannot be probed. ``dtypes``:
+    (run-time dtype of each value, the dtype autocast casts this op's inputs to), under autocast."""
     target = node.target
     if target is recompute.region:
         return [(a, get_shape(a).nbytes) for a in node.args[2:] if isinstance(a, fx.Node) and get_shape(a).tensors]
@@ -186,13 +196,15 @@ def _ops_saves(node: fx.Node, device_type: str) -> list[tuple[Any, sympy.Expr]] 
     if target is mask_ops.dropout:  # x * mask: the single-device mask, in x's dtype
         return [(("own", node, 0), get_shape(node).nbytes)] if get_shape(node.args[2]).requires_grad else []
     if target in WRAPPERS:  # the wrapped op, as if called directly
-        return _aten_saves(node, *runs(node), node.kwargs, device_type)
+        return _aten_saves(node, *runs(node), node.kwargs, device_type, dtypes)
     if not isinstance(target, torch._ops.OpOverload):
         return [] if get_shape(node).scalar is not None else None  # arithmetic on sizes keeps nothing
-    return _aten_saves(node, target, node.args, node.kwargs, device_type)
+    return _aten_saves(node, target, node.args, node.kwargs, device_type, dtypes)
 
 
-def _aten_saves(node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str) -> list[tuple[Any, sympy.Expr]]:
+def _aten_saves(
+    node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str, dtypes: Any = None
+) -> list[tuple[Any, sympy.Expr]]:
     flat_args: list[fx.Node] = []
     fx.node.map_arg((args, kwargs), lambda a: flat_args.append(a))
     shapes = [get_shape(a) for a in flat_args]
@@ -208,7 +220,9 @@ def _aten_saves(node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str
             return [(args[0], 0), (args[1], 0), (args[2], 0), *mask, (node, 0), (("own", node, 0), lse)]
     if packet(op) in _DROPOUT and device_type == "cuda":
         return [(("own", node, 0), get_shape(args[0]).tensor.numel)]  # a one-byte mask
-    probed = {a: _probe_value(a) for a in flat_args}  # the meta tensors the op gets: a saved input is one
+    run, cast = dtypes if dtypes is not None else ({}, None)
+    # The meta tensors the op gets (a saved input is one), in the dtypes it gets them in at run time.
+    probed = {a: _probe_value(a, cast or run.get(a)) for a in flat_args}
     probe_args = fx.node.map_arg(args, probed.__getitem__)
     probe_kwargs = fx.node.map_arg(kwargs, probed.__getitem__)
     tensors = [(a, v) for a, v in probed.items() if isinstance(v, torch.Tensor)]
@@ -234,18 +248,43 @@ def _aten_saves(node: fx.Node, op: Any, args: Any, kwargs: Any, device_type: str
     return result
 
 
+def _run_nbytes(root: fx.Node, dtypes: dict[fx.Node, torch.dtype]) -> sympy.Expr:
+    """A value's bytes at run time (under autocast, in its run-time dtype)."""
+    shape = get_shape(root)
+    if root in dtypes and len(shape.tensors) == 1 and shape.tensors[0] is not None:
+        return shape.tensors[0].numel * torch.empty((), dtype=dtypes[root], device="meta").element_size()
+    return shape.nbytes
+
+
+def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: Any, dtypes: dict) -> tuple | None:
+    """Under autocast: (key, bytes) of the cast copy of input ``value`` that ``node`` saves, or None."""
+    cast = cast_to(runs(node)[0], device_type, autocast) if autocast is not None else None
+    if cast is None or not isinstance(value, fx.Node) or value is node:
+        return None
+    root = _root(value, dtypes)
+    run = dtypes.get(root)
+    if not isinstance(root, fx.Node) or run is None or not run.is_floating_point or run == cast:
+        return None
+    numel = get_shape(root).tensors[0].numel
+    # autocast caches a weight's cast for the forward; an activation is cast again by each op that casts it
+    key = ("cast", root, cast) if _is_weight(root) else ("cast", node, root, cast)
+    return key, numel * torch.empty((), dtype=cast, device="meta").element_size()
+
+
 def _account(
-    gm: fx.GraphModule, device_type: str, part: bool = False
+    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: Any = None
 ) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
     """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
     layers: dict[str, dict[str, sympy.Expr]] = {}
     counted: set[Any] = set()
     unaccounted: list[str] = []
+    dtypes = run_dtypes(gm, device_type, autocast) if autocast is not None else {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         try:
-            saves = _ops_saves(node, device_type)
+            cast = cast_to(runs(node)[0], device_type, autocast) if autocast is not None else None
+            saves = _ops_saves(node, device_type, (dtypes, cast) if autocast is not None else None)
         except Exception:  # noqa: BLE001 - an op the meta device cannot run: reported, not guessed
             saves = None
         if saves is None:
@@ -255,13 +294,16 @@ def _account(
         category = REGION if node.target is recompute.region else _category(node)
         before = layers.get(get_layer(node), {}).get(category, sympy.Integer(0))
         for value, nbytes in saves:
-            if isinstance(value, tuple):  # the op's own tensor
+            copy = _cast_copy(node, value, device_type, autocast, dtypes)
+            if copy is not None:
+                key, size = copy
+            elif isinstance(value, tuple):  # the op's own tensor
                 key, size = value, nbytes
             else:
-                root = _root(value)
+                root = _root(value, dtypes)
                 if not isinstance(root, fx.Node) or not _is_activation(root, part) or root in counted:
                     continue
-                key, size = root, get_shape(root).nbytes
+                key, size = root, _run_nbytes(root, dtypes)
             if key in counted:
                 continue
             counted.add(key)
@@ -272,15 +314,16 @@ def _account(
     return layers, unaccounted
 
 
-def run(gm: fx.GraphModule, device_type: str = "cpu", part: bool = False) -> PassResult:
+def run(gm: fx.GraphModule, device_type: str = "cpu", part: bool = False, autocast: Any = None) -> PassResult:
     """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above).
     ``part``: ``gm`` is a part cut out of a model's graph (the planner's profile): its placeholders that
-    need grad are the previous part's activations, kept like any other."""
-    layers, unaccounted = _account(gm, device_type, part)
+    need grad are the previous part's activations, kept like any other. ``autocast``: the dtype the graph
+    runs under torch.autocast in (None: as captured)."""
+    layers, unaccounted = _account(gm, device_type, part, autocast)
     transient: sympy.Expr = sympy.Integer(0)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is recompute.region:
-            inner, more = _account(getattr(gm, node.args[0].target), device_type, part)
+            inner, more = _account(getattr(gm, node.args[0].target), device_type, part, autocast)
             unaccounted += more
             total = sympy.expand(sympy.Add(*(e for per in inner.values() for e in per.values())))
             transient = sympy.Max(transient, total) if transient != 0 else total

@@ -222,7 +222,7 @@ class Costing:
                 largest = max(largest, part.largest_param_bytes)
                 groups += count * part.gather_groups
                 partial += count * part.partial_grad_bytes
-                k, tr, _ = part.at(choice, sizes)
+                k, tr, _ = part.at(choice, sizes, plan.autocast)
                 kept += count * k
                 transient = max(transient, tr)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.

@@ -101,15 +101,16 @@ class PartAtDegree:
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
 
-    def saved(self, choice: str) -> tuple[sympy.Expr, sympy.Expr]:
-        """(bytes kept for backward, bytes live while a region recomputes) per microbatch under ``choice``."""
-        return self._recompute(choice)[:2]
+    def saved(self, choice: str, autocast: Any = None) -> tuple[sympy.Expr, sympy.Expr]:
+        """(bytes kept for backward, bytes live while a region recomputes) per microbatch under ``choice``
+        (run under torch.autocast in ``autocast``, when given)."""
+        return self._recompute(choice, autocast)[:2]
 
-    def at(self, choice: str, sizes: dict[str, int]) -> tuple[float, float, float]:
+    def at(self, choice: str, sizes: dict[str, int], autocast: Any = None) -> tuple[float, float, float]:
         """(kept, transient, boundary) bytes at ``sizes``."""
-        key = (choice, tuple(sorted(sizes.items())))
+        key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
-            kept, transient = self.saved(choice)
+            kept, transient = self.saved(choice, autocast)
             self._at[key] = (value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes))
         return self._at[key]
 
@@ -126,17 +127,18 @@ class PartAtDegree:
         """The nodes ``choice`` repeats in backward."""
         return self._recompute(choice)[2]
 
-    def _recompute(self, choice: str) -> tuple[sympy.Expr, sympy.Expr, frozenset[str]]:
-        if choice not in self._saved:
+    def _recompute(self, choice: str, autocast: Any = None) -> tuple[sympy.Expr, sympy.Expr, frozenset[str]]:
+        key = f"{choice}/{autocast}"
+        if key not in self._saved:
             has_block = any(_is_block(get_layer(n)) for n in self.graph.graph.nodes if n.op == "call_function")
             if choice != "none" and not has_block:
-                self._saved[choice] = self._recompute("none")
+                self._saved[key] = self._recompute("none", autocast)
             else:
                 g = copy.deepcopy(self.graph)
                 passes.run_pass(passes.recompute.PASS, g, choice)
-                memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True).value
-                self._saved[choice] = (memory.kept, memory.transient, _recomputed(g))
-        return self._saved[choice]
+                memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast).value
+                self._saved[key] = (memory.kept, memory.transient, _recomputed(g))
+        return self._saved[key]
 
     def times(self, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
         """One microbatch of ``sizes`` (B: its rows) on one rank of ``hw``."""
