@@ -117,7 +117,22 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
     raise ValueError(f"unknown family {family!r}")
 
 
-def build_case(family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_BATCH, **shape: Any) -> Case:
+def build_case(
+    family: str, steps: int = 3, seed: int = 0, batch: int = GLOBAL_BATCH, device: str | None = None, **shape: Any
+) -> Case:
+    """The model and its global batches (drawn on the CPU, then moved to ``device`` with the model)."""
+    case = _build_case(family, steps, seed, batch, **shape)
+    if device is None:
+        return case
+    case.model.to(device)
+    for b in case.batches:
+        b.inputs = tuple(x.to(device) for x in b.inputs)
+        b.kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.kwargs.items()}
+        b.target = b.target.to(device) if isinstance(b.target, torch.Tensor) else b.target
+    return case
+
+
+def _build_case(family: str, steps: int, seed: int, batch: int, **shape: Any) -> Case:
     model = build_model(family, seed, **shape)
     gen = torch.Generator().manual_seed(seed + 1)
     batches = []
