@@ -6,7 +6,6 @@ loss = program.step(program.local_batch(input_ids), target=...)
 
 from autoshard.checkpoint import latest_checkpoint
 from autoshard.compiler import compile
-from autoshard.cost import LayerCost, ModelCost
 from autoshard.errors import (
     AutoshardError,
     CaptureError,
@@ -17,13 +16,15 @@ from autoshard.errors import (
     MissingMetaError,
     PlanError,
 )
-from autoshard.hardware import Hardware
-from autoshard.mesh import Mesh
-from autoshard.placements import Partial, Replicate, Shard
-from autoshard.plan import Plan
+from autoshard.inspection.verify import VerifyReport, verify
+from autoshard.ir.cost import LayerCost, ModelCost
+from autoshard.ir.placements import Partial, Replicate, Shard
 from autoshard.planner import Candidate, Memory, PlanReport, StepTime, plan
+from autoshard.planner.hardware import Hardware
 from autoshard.program import Program, RankProgram
-from autoshard.verification import VerifyReport, verify
+from autoshard.spec.mesh import Mesh
+from autoshard.spec.plan import Plan
+from autoshard.spec.schedules import Schedule
 
 __all__ = [
     "AutoshardError",
@@ -46,6 +47,7 @@ __all__ = [
     "Program",
     "RankProgram",
     "Replicate",
+    "Schedule",
     "Shard",
     "StepTime",
     "VerifyReport",

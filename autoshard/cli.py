@@ -31,7 +31,7 @@ class CliError(Exception):
 
 
 def parse_mesh(text: str) -> Any:
-    from autoshard.mesh import Mesh
+    from autoshard.spec.mesh import Mesh
 
     degrees: dict[str, int] = {}
     for part in text.split(","):
@@ -57,7 +57,7 @@ def _parse_plan(pairs: list[str]) -> dict[str, Any]:
 
 def _load(spec: str | None, model_name: str | None, batch: int, seq: int) -> dict[str, Any]:
     if model_name is not None:
-        from autoshard.cli_models import build
+        from autoshard.models import build
 
         return build(model_name, batch, seq)
     if spec is None:
@@ -114,7 +114,7 @@ def _mesh(args: argparse.Namespace) -> Any:
 
 
 def _hardware(name: str | None) -> Any:
-    from autoshard.hardware import Hardware
+    from autoshard.planner.hardware import Hardware
 
     return Hardware.preset(name) if name else None
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from autoshard import gloo_via_host
+from autoshard.distributed import gloo_via_host
 
 __all__ = ["LocalRanks", "RankFailure", "init_from_torchrun"]
 
@@ -112,7 +112,7 @@ class LocalRanks:
 
     ``device="cpu"`` (the default): gloo ranks on the CPU. ``device="cuda"``: each rank on a GPU of its
     own over NCCL where there are enough of them, else the ranks share the GPUs and their collectives
-    run on gloo through host memory (autoshard/gloo_via_host.py; NCCL refuses two ranks on one GPU).
+    run on gloo through host memory (autoshard/distributed/gloo_via_host.py; NCCL refuses two ranks on one GPU).
     """
 
     def __init__(

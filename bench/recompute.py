@@ -17,7 +17,7 @@ import torch
 from allocations import allocation_trace, caching_allocator
 
 import autoshard
-from autoshard.hardware import Hardware
+from autoshard.planner.hardware import Hardware
 
 CHOICES = ("none", "selective", "full")
 

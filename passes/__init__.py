@@ -1,6 +1,6 @@
 """autoshard's graph passes, one a file, each a ``Pass`` record run through ``run_pass``.
 
-Analysis passes only write node.meta (keys in autoshard.meta); transformation passes rewrite the
+Analysis passes only write node.meta (keys in autoshard.ir.meta); transformation passes rewrite the
 graph. Every pass declares the keys it reads and writes, and ``run_pass`` checks both.
 """
 

@@ -1,7 +1,7 @@
 """Per-node costs: forward and backward FLOPs, parameter bytes and activation bytes, as sympy.
 
 Reads:  autoshard.shape
-Writes: autoshard.cost (meta.NodeCost) on every node but the output
+Writes: autoshard.ir.cost (meta.NodeCost) on every node but the output
 
 FLOPs follow the convention of ``torch.utils.flop_counter``: matrix-multiply class work only
 (mm, addmm, bmm, baddbmm, matmul, linear, convolution, scaled-dot-product attention), two FLOPs a
@@ -20,8 +20,8 @@ import sympy
 import torch
 from torch import fx
 
-from autoshard.meta import COST, SHAPE, NodeCost, TensorShape, get_shape
-from autoshard.ops import ALIASING, packet
+from autoshard.ir.meta import COST, SHAPE, NodeCost, TensorShape, get_shape
+from autoshard.ir.ops import ALIASING, packet
 
 from .infra import Need, Pass, PassResult
 

@@ -2,7 +2,7 @@
 
 Reads:  autoshard.shape; autoshard.tp on dropout nodes (when tp > 1)
 Writes: autoshard.dropout_mask (meta.MaskSpec) on every dropout node it rewrites; autoshard.shape,
-        autoshard.layer and autoshard.cost (nothing) on the get_attr of the masks module
+        autoshard.layer and autoshard.ir.cost (nothing) on the get_attr of the masks module
 
 ``catalog(gm, tp)`` lists the model's dropout ops in graph order, the order single-device training
 draws their masks, with the global shape of each (a tp shard's dimension times tp) and the dimension
@@ -25,10 +25,10 @@ import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.meta import COST, LAYER, MASK, SHAPE, MaskSpec, NodeCost, NodeShape, get_shape, get_tp
-from autoshard.ops import RANDOM, runs
-from autoshard.placements import Shard
-from autoshard.runtime import masks as mask_ops
+from autoshard.graph_ops import masks as mask_ops
+from autoshard.ir.meta import COST, LAYER, MASK, SHAPE, MaskSpec, NodeCost, NodeShape, get_shape, get_tp
+from autoshard.ir.ops import RANDOM, runs
+from autoshard.ir.placements import Shard
 
 from .infra import Need, Pass, PassResult, calls_to
 

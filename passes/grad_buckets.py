@@ -18,7 +18,7 @@ from collections.abc import Hashable, Mapping
 
 from torch import fx
 
-from autoshard.meta import GRAD_BUCKET, SHAPE, FlatSlot, get_shape
+from autoshard.ir.meta import GRAD_BUCKET, SHAPE, FlatSlot, get_shape
 
 from .infra import PARAMETERS, Need, Pass, PassResult
 

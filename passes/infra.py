@@ -16,7 +16,7 @@ from typing import Any
 from torch import fx
 
 from autoshard.errors import MissingMetaError
-from autoshard.meta import PRODUCERS, SHAPE
+from autoshard.ir.meta import PRODUCERS, SHAPE
 
 __all__ = [
     "CALLS",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.meta import LAYER, MODEL_ATTR
+from autoshard.ir.meta import LAYER, MODEL_ATTR
 
 from .infra import CALLS, Need, Pass, PassResult
 

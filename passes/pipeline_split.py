@@ -1,6 +1,6 @@
 """Pipeline stage cuts: split the graph into pp contiguous stages of balanced cost.
 
-Reads:  autoshard.layer, autoshard.cost, autoshard.shape
+Reads:  autoshard.layer, autoshard.ir.cost, autoshard.shape
 Writes: autoshard.stage (int) on every node but the output
 
 Cuts fall only where a repeated block begins (a layer whose name ends in an index, such as
@@ -24,7 +24,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from autoshard.errors import PlanError
-from autoshard.meta import COST, LAYER, STAGE, evaluate_expr, get_cost, get_layer, get_stage
+from autoshard.ir.meta import COST, LAYER, STAGE, evaluate_expr, get_cost, get_layer, get_stage
 
 from .infra import Need, Pass, PassResult
 

@@ -1,6 +1,6 @@
 """Pipeline stage graphs: one GraphModule per stage, its boundaries explicit recv / send nodes.
 
-Reads:  autoshard.stage, autoshard.shape, autoshard.cost
+Reads:  autoshard.stage, autoshard.shape, autoshard.ir.cost
 Writes: autoshard.pipe (meta.PipeSlot) on every recv and send node of the stage graphs
 
 Stage ``s`` of ``n`` gets the nodes that pipeline_split assigned to it. A value made on an earlier
@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.meta import COST, LAYER, PIPE, SHAPE, STAGE, NodeShape, PipeSlot, get_cost, get_shape, get_stage
+from autoshard.ir.meta import COST, LAYER, PIPE, SHAPE, STAGE, NodeShape, PipeSlot, get_cost, get_shape, get_stage
 from autoshard.runtime import pipeline
 from autoshard.runtime.pipeline import StageGraph
 

@@ -39,11 +39,12 @@ import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
-from autoshard.ops import ALIASING, packet, runs
-from autoshard.runtime import pipeline, recompute, zero
+from autoshard.graph_ops import recompute
+from autoshard.ir.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
+from autoshard.ir.ops import ALIASING, packet, runs
+from autoshard.runtime import pipeline, zero
 from autoshard.runtime import tp as tp_ops
-from autoshard.sharding_compute_rules import matmul_dims
+from autoshard.sharding.compute import matmul_dims
 
 from .infra import Need, Pass, PassResult, calls_to
 

@@ -13,7 +13,7 @@ Parameters and graph inputs are not activations. A recompute region keeps only i
 saves of its own nodes are live only while its backward runs (``ActivationMemory.transient``).
 
 Under autocast (the plan's ``autocast`` dtype) a value's bytes follow its dtype at run time, and an op that
-autocast casts for keeps the cast copies of the inputs it saves (autoshard/autocast_dtypes.py).
+autocast casts for keeps the cast copies of the inputs it saves (autoshard/ir/autocast.py).
 
 Where kernels differ by device: scaled-dot-product attention without dropout runs the fused kernel
 on CPU and CUDA (keeps q, k, v, the output and the log-sum-exp); with dropout on CPU the math path
@@ -31,13 +31,14 @@ import sympy
 import torch
 from torch import fx
 
-from autoshard.autocast_dtypes import cast_to, run_dtypes
-from autoshard.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
-from autoshard.ops import ALIASING, WRAPPERS, packet, runs
-from autoshard.runtime import masks as mask_ops
-from autoshard.runtime import pipeline, recompute, zero
+from autoshard.graph_ops import masks as mask_ops
+from autoshard.graph_ops import recompute
+from autoshard.ir.autocast import cast_to, run_dtypes
+from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
+from autoshard.ir.ops import ALIASING, WRAPPERS, packet, runs
+from autoshard.runtime import pipeline, zero
 from autoshard.runtime import tp as tp_ops
-from autoshard.sharding_compute_rules import matmul_dims
+from autoshard.sharding.compute import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
 

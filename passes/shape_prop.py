@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard.meta import SHAPE, NodeShape, TensorShape, get_shape
+from autoshard.ir.meta import SHAPE, NodeShape, TensorShape, get_shape
 
 from .infra import Need, Pass, PassResult
 

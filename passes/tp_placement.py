@@ -8,7 +8,7 @@ layout rather than being told it:
 
 1. Weights are seeds in order of first use. A linear's weight is tried column-parallel (output
    features sharded), an embedding's table vocab-parallel (rows sharded).
-2. The rules (autoshard.sharding_rules) propagate placements through the whole graph; where an op
+2. The rules (autoshard.sharding.rules) propagate placements through the whole graph; where an op
    wants an input in another placement, that is a redistribution. Redistributions the seed made
    are fixed where a weight not yet decided can absorb them:
    - a linear whose input arrives sharded on its features becomes row-parallel (its output is
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoshard.meta import SHAPE, TP, TpPlacement, get_shape
-from autoshard.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
-from autoshard.placements import Partial, Placement, Replicate, Shard
-from autoshard.sharding_compute_rules import matmul_dims
-from autoshard.sharding_rules import RULES, Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
+from autoshard.ir.meta import SHAPE, TP, TpPlacement, get_shape
+from autoshard.ir.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
+from autoshard.ir.placements import Partial, Placement, Replicate, Shard
+from autoshard.sharding.compute import matmul_dims
+from autoshard.sharding.rules import RULES, Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
 
 from .infra import Need, Pass, PassResult
 

@@ -3,7 +3,7 @@
 Reads:  autoshard.tp, autoshard.shape, autoshard.layer
 Writes: autoshard.tp_comm (meta.TpCollective) on every collective it inserts; updates autoshard.shape
         to local sizes on sharded values (parameters included, so gradient buckets size the shards);
-        autoshard.layer, autoshard.tp and autoshard.cost (no FLOPs) on the nodes it inserts
+        autoshard.layer, autoshard.tp and autoshard.ir.cost (no FLOPs) on the nodes it inserts
 
 After tp_placement has chosen every value's placement, this pass makes the graph compute each
 rank's share. The graph stays the same on every rank: collectives and rank-dependent ops read the
@@ -40,7 +40,7 @@ import sympy
 import torch
 from torch import fx
 
-from autoshard.meta import (
+from autoshard.ir.meta import (
     BIAS_AFTER_REDUCE,
     BIAS_SPLIT,
     COST,
@@ -56,10 +56,10 @@ from autoshard.meta import (
     get_shape,
     get_tp,
 )
-from autoshard.ops import RANDOM, SHARD_PRESERVING
-from autoshard.placements import Partial, Placement, Replicate, Shard
+from autoshard.ir.ops import RANDOM, SHARD_PRESERVING
+from autoshard.ir.placements import Partial, Placement, Replicate, Shard
 from autoshard.runtime import tp as tp_ops
-from autoshard.sharding_compute_rules import matmul_dims
+from autoshard.sharding.compute import matmul_dims
 
 from .infra import Need, Pass, PassResult, all_nodes, calls_to
 

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping
 
 from torch import fx
 
-from autoshard.meta import LAYER, SHAPE, ZERO_GROUP, get_layer, get_shape
+from autoshard.ir.meta import LAYER, SHAPE, ZERO_GROUP, get_layer, get_shape
 
 from .grad_buckets import assign_slots, trainable_uses
 from .infra import PARAMETERS, Need, Pass, PassResult

@@ -423,7 +423,7 @@ class Stack(nn.Module):
 
 def largest_collective_numel(gm: Any, sizes: dict[str, int]) -> int:
     """The most elements any TP collective node of the graph moves, at the given symbol values."""
-    from autoshard.meta import TP_COMM, evaluate_expr, get_shape
+    from autoshard.ir.meta import TP_COMM, evaluate_expr, get_shape
 
     numels = [
         evaluate_expr(get_shape(n).tensor.numel, sizes) for n in gm.graph.nodes if n.meta.get(TP_COMM) is not None

@@ -124,7 +124,7 @@ def killed_inside_save(rank: int, world_size: int, family: str, mesh: dict, plan
     if rank == 1:
         import os
 
-        from autoshard.runtime import chunks
+        from autoshard.checkpoint import chunks
 
         def die(*args: Any) -> Any:
             os._exit(9)  # no clean-up, no exception: as if the process were killed

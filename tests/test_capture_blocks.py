@@ -14,7 +14,7 @@ from torch import nn
 import autoshard
 from autoshard import capture as capture_module
 from autoshard.capture import capture
-from autoshard.capture_blocks import MIN_BLOCKS, _in_block, find_repeated_blocks, first_difference
+from autoshard.capture.blocks import MIN_BLOCKS, _in_block, find_repeated_blocks, first_difference
 
 transformers.logging.set_verbosity_error()
 

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from test_dp_equivalence import assert_state_close
 
 import autoshard
+from autoshard.checkpoint.chunks import SafeReader
 from autoshard.launch import LocalRanks, RankFailure
-from autoshard.runtime.chunks import SafeReader
 
 STEPS, FIRST = 6, 3
 

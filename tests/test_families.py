@@ -19,7 +19,7 @@ from test_dp_equivalence import assert_state_close
 
 import autoshard
 from autoshard.capture import capture
-from autoshard.placements import Shard
+from autoshard.ir.placements import Shard
 
 MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
     ({"tp": 2}, {}),

@@ -14,8 +14,8 @@ from torch import nn
 
 from autoshard import passes
 from autoshard.capture import capture
-from autoshard.meta import get_cost
-from autoshard.ops import packet
+from autoshard.ir.meta import get_cost
+from autoshard.ir.ops import packet
 
 B = sympy.Symbol("B", integer=True, positive=True)
 aten = torch.ops.aten

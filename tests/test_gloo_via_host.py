@@ -1,4 +1,4 @@
-"""Ranks that share a GPU run their collectives on gloo through host memory (autoshard/gloo_via_host.py).
+"""Ranks that share a GPU run their collectives on gloo through host memory (autoshard/distributed/gloo_via_host.py).
 
 On this CPU-only machine the process group is told to stage host tensors too, so every copy to the
 host and back runs as it would for CUDA tensors: each collective, asynchronous point-to-point that
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from cases import train_plan, train_single_device
 from test_tp import assert_state_close
 
-from autoshard import gloo_via_host
+from autoshard.distributed import gloo_via_host
 from autoshard.launch import LocalRanks
 
 

@@ -2,7 +2,7 @@
 
 Skipped where torch sees no CUDA device (CI). On a machine with one GPU the ranks share it: NCCL
 refuses two ranks on one device, so their collectives run on gloo through host memory
-(autoshard/gloo_via_host.py) while every tensor of the program lives on the GPU; with a GPU per rank
+(autoshard/distributed/gloo_via_host.py) while every tensor of the program lives on the GPU; with a GPU per rank
 they run on NCCL. The main plans of the equivalence grid are compared with single-device training on
 the same GPU; one rank runs on NCCL; the CUDA allocator is compared with the saved-tensor accounting;
 offload keeps its host state in pinned memory; ``Hardware.measure()`` calibrates the device.
@@ -25,7 +25,7 @@ from cases import train_plan, train_single_device
 from compiled_cases import train_compiled
 
 import autoshard
-from autoshard import gloo_via_host
+from autoshard.distributed import gloo_via_host
 from autoshard.launch import LocalRanks
 
 REHEARSAL = bool(os.environ.get("AUTOSHARD_GPU_REHEARSAL"))

@@ -11,7 +11,7 @@ import torch
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss, successor_batch
-from autoshard.metrics import StepMetrics, trace_path
+from autoshard.inspection.metrics import StepMetrics, trace_path
 
 
 def _train(rank: int, world: int, mesh: autoshard.Mesh, trace: str) -> dict:

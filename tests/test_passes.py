@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import autoshard
 from autoshard import passes
 from autoshard.capture import capture
-from autoshard.cost import summarize
-from autoshard.meta import GRAD_BUCKET, SHAPE, get_cost, get_grad_bucket, get_layer, get_shape
+from autoshard.ir.cost import summarize
+from autoshard.ir.meta import GRAD_BUCKET, SHAPE, get_cost, get_grad_bucket, get_layer, get_shape
 
 B, S = sympy.symbols("B S", integer=True, positive=True)
 

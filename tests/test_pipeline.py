@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autoshard
-from autoshard.schedules import Schedule, ScheduleError
+from autoshard.spec.schedules import Schedule, ScheduleError
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import autoshard
 from autoshard import passes
 from autoshard.capture import capture
-from autoshard.meta import evaluate_expr, get_cost, get_layer, get_stage
+from autoshard.ir.meta import evaluate_expr, get_cost, get_layer, get_stage
 
 pipeline_split = passes.pipeline_split
 

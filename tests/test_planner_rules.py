@@ -15,17 +15,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import passes
 from autoshard.capture import capture
-from autoshard.cost import summarize
 from autoshard.demo import next_token_loss
-from autoshard.hardware import Hardware
-from autoshard.meta import ZERO_GROUP, evaluate_expr
-from autoshard.plan import Plan
+from autoshard.ir.cost import summarize
+from autoshard.ir.meta import ZERO_GROUP, evaluate_expr
 from autoshard.planner import choose_plan, default_microbatches
 from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing, _Stage
+from autoshard.planner.hardware import Hardware
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
 from autoshard.planner.simulate import simulate, simulate_shared
-from autoshard.schedules import build_schedule
+from autoshard.spec.plan import Plan
+from autoshard.spec.schedules import build_schedule
 
 HW = Hardware.preset("a100-80gb")
 
@@ -123,7 +123,7 @@ def test_the_winner_is_the_fastest_that_fits_or_simpler_within_the_models_resolu
 
 
 def test_a_fixed_mesh_keeps_the_defaults_that_fit(gpt2) -> None:
-    from autoshard.mesh import Mesh
+    from autoshard.spec.mesh import Mesh
 
     report = choose_plan(Mesh(dp=2, pp=2), {}, costing(gpt2), gpt2[1], HW)
     assert report.winner == Plan(dp=2, pp=2, microbatches=default_microbatches(4, 2, "1f1b"))

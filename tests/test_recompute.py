@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_dp_equivalence import assert_state_close
 
 import autoshard
-from autoshard.meta import RECOMPUTE
+from autoshard.ir.meta import RECOMPUTE
 
 MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
     ({"dp": 4}, {}),

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard import passes
-from autoshard.meta import BIAS_AFTER_REDUCE, BIAS_SPLIT
-from autoshard.placements import Partial, Replicate, Shard
-from autoshard.sharding_compute_rules import matmul_dims
-from autoshard.sharding_rules import RULES, Decision, RuleInput
+from autoshard.ir.meta import BIAS_AFTER_REDUCE, BIAS_SPLIT
+from autoshard.ir.placements import Partial, Replicate, Shard
+from autoshard.sharding.compute import matmul_dims
+from autoshard.sharding.rules import RULES, Decision, RuleInput
 
 R, P, S = Replicate(), Partial(), Shard
 

@@ -11,7 +11,7 @@ import torch
 from cases import build_case
 
 import autoshard
-from autoshard.hardware import Hardware
+from autoshard.planner.hardware import Hardware
 
 
 def _compile(family: str, mesh: dict[str, int] | None = None, **plan: Any) -> tuple[autoshard.Program, Any]:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.schedules import (
+from autoshard.spec.schedules import (
     Action,
     Schedule,
     ScheduleError,

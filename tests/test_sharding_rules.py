@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import autoshard
-from autoshard.placements import Shard
-from autoshard.sharding_rules import view_groups
+from autoshard.ir.placements import Shard
+from autoshard.sharding.rules import view_groups
 
 B, S = sympy.Symbol("B", integer=True, positive=True), sympy.Symbol("S", integer=True, positive=True)
 

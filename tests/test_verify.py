@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss, successor_batch
-from autoshard.meta import PIPE, TP_COMM
+from autoshard.inspection.verify import Reference, check
+from autoshard.ir.meta import PIPE, TP_COMM
 from autoshard.runtime import tp as tp_ops
-from autoshard.verification import Reference, check
 
 
 def _skip_all_reduce(tp, x):  # a dropped all-reduce: each rank keeps its partial sum
     return x
 
 
-def _faulty_rank(rank: int, world: int, fault: str) -> tuple[autoshard.verification.VerifyReport, str]:
+def _faulty_rank(rank: int, world: int, fault: str) -> tuple[autoshard.inspection.verify.VerifyReport, str]:
     torch.manual_seed(0)
     model = TinyGPT(layers=2)
     ids, target = successor_batch(0, 8, 16)
@@ -65,14 +65,14 @@ def test_verify_names_the_node_of_a_broken_rewrite(ranks, fault: str) -> None:
     assert expected in str(report)
 
 
-def _verify_family(pool, family: str, mesh: autoshard.Mesh, plan: dict) -> autoshard.verification.VerifyReport:
+def _verify_family(pool, family: str, mesh: autoshard.Mesh, plan: dict) -> autoshard.inspection.verify.VerifyReport:
     case = build_case(family, steps=1, layers=2)
     batch = case.batches[0]
     return autoshard.verify(copy.deepcopy(case.model), mesh, batch.inputs, batch.kwargs, loss_fn=case.loss_fn,
                             example_target=batch.target, plan=plan, ranks=pool)  # fmt: skip
 
 
-def _assert_all_match(report: autoshard.verification.VerifyReport) -> None:
+def _assert_all_match(report: autoshard.inspection.verify.VerifyReport) -> None:
     assert report.ok, str(report)
     kinds = {c.kind for c in report.checks}
     assert {"activation", "collective", "boundary", "loss", "parameter"} <= kinds
@@ -94,7 +94,7 @@ def test_verify_finds_no_divergence_in_3d(ranks, family: str) -> None:
 
 
 def test_verify_reports_first_divergence_as_json_ready_dict() -> None:
-    from autoshard.verification import NodeCheck, VerifyReport
+    from autoshard.inspection.verify import NodeCheck, VerifyReport
 
     bad = NodeCheck("add_1", "blocks.0", "aten.add.Tensor", "activation", 0, 0.5, 1e-5, (0, 1))
     report = VerifyReport((NodeCheck("x", "", "op", "activation", 0, 0.0, 1e-5), bad), 1.0, 1.0)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from autoshard.errors import InputError
-from autoshard.hardware import Hardware
-from autoshard.mesh import Mesh
-from autoshard.plan import is_mixed_precision
+from autoshard.planner.hardware import Hardware
 from autoshard.planner.report import PlanReport
+from autoshard.spec.mesh import Mesh
+from autoshard.spec.plan import is_mixed_precision
 
 __all__ = ["DEFAULT_HARDWARE", "plan", "planning_sizes"]
 

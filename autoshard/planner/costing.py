@@ -24,12 +24,12 @@ from typing import Any
 import sympy
 import torch
 
-from autoshard.hardware import Hardware
-from autoshard.plan import Plan, is_mixed_precision
+from autoshard.planner.hardware import Hardware
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
-from autoshard.schedules import Schedule
+from autoshard.spec.plan import Plan, is_mixed_precision
+from autoshard.spec.schedules import Schedule
 
 __all__ = ["Costing"]
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from autoshard.hardware import Hardware
-from autoshard.meta import evaluate_expr
+from autoshard.ir.meta import evaluate_expr
+from autoshard.planner.hardware import Hardware
 
 if TYPE_CHECKING:
     from autoshard.planner.profile import PartAtDegree

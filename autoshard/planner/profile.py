@@ -25,10 +25,10 @@ import torch
 from torch import fx
 
 from autoshard import passes
-from autoshard.hardware import Hardware
-from autoshard.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
-from autoshard.ops import ALIASING, packet
-from autoshard.placements import Partial, Shard
+from autoshard.ir.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
+from autoshard.ir.ops import ALIASING, packet
+from autoshard.ir.placements import Partial, Shard
+from autoshard.planner.hardware import Hardware
 from autoshard.planner.part_times import Comm, PartTimes, Work, part_times, value
 from autoshard.runtime import tp as tp_ops
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import sympy
 
-from autoshard.hardware import Hardware
-from autoshard.plan import Plan
+from autoshard.planner.hardware import Hardware
+from autoshard.spec.plan import Plan
 
 __all__ = ["BOTTLENECKS", "Candidate", "Memory", "PlanReport", "StepTime", "fmt_bytes"]
 

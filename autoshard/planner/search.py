@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from autoshard.errors import PlanError
-from autoshard.hardware import Hardware
-from autoshard.mesh import Mesh
-from autoshard.plan import Plan, is_mixed_precision
 from autoshard.planner.costing import Costing
+from autoshard.planner.hardware import Hardware
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
+from autoshard.spec.mesh import Mesh
+from autoshard.spec.plan import Plan, is_mixed_precision
 
 __all__ = ["choose_plan", "default_microbatches", "factorizations"]
 

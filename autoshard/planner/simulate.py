@@ -1,6 +1,6 @@
 """The pipeline schedule simulated with per-stage costs: the planner's bubble and its predicted timelines.
 
-A schedule (autoshard/schedules.py) becomes an integer table once; each simulation runs the table's
+A schedule (autoshard/spec/schedules.py) becomes an integer table once; each simulation runs the table's
 actions in order on every rank, an action starting when its rank is free and what it needs has arrived
 (the producing action's end, plus the send between stages when they sit on different ranks).
 """
@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Protocol
 
-from autoshard.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
+from autoshard.spec.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 
 __all__ = ["StageCost", "built", "labels", "simulate", "simulate_shared", "table"]
 

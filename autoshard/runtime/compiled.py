@@ -34,13 +34,13 @@ import torch
 from torch import fx, nn
 
 from autoshard import passes
+from autoshard.compiler.torch_compile import TorchCompile
+from autoshard.distributed.comm import CommCounter
 from autoshard.errors import CompileError
+from autoshard.graph_ops import graph_break
 from autoshard.passes.graph_buckets import GraphBucket
 from autoshard.passes.overlap_comm import COLLECTIVES
-from autoshard.runtime import graph_break
-from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.flat import FlatLayout
-from autoshard.torch_compile import TorchCompile
 
 __all__ = ["CompiledGraph", "InGraphBuckets", "RankCompiler", "rank_compiler"]
 

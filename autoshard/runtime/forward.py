@@ -20,9 +20,9 @@ from torch import fx
 
 from autoshard import passes
 from autoshard.errors import InputError
-from autoshard.meta import evaluate_expr, get_shape, get_tp
-from autoshard.ops import TRAINING_ARGS, runs
-from autoshard.placements import Partial, Shard
+from autoshard.ir.meta import evaluate_expr, get_shape, get_tp
+from autoshard.ir.ops import TRAINING_ARGS, runs
+from autoshard.ir.placements import Partial, Shard
 
 __all__ = ["ForwardRunner", "eval_graph", "forward_graph"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.runtime.comm import CommCounter, same_view
+from autoshard.distributed.comm import CommCounter, same_view
 from autoshard.runtime.flat import FlatLayout
 from autoshard.runtime.masters import Masters
 from autoshard.runtime.optim import weak_grad_hook

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autoshard.distributed.tracing import span
 from autoshard.errors import DistributedError, InputError
-from autoshard.meta import TensorShape, evaluate_expr
-from autoshard.runtime.graph_break import stays_eager
-from autoshard.runtime.tracing import span
-from autoshard.schedules import Action, Schedule
+from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.ir.meta import TensorShape, evaluate_expr
+from autoshard.spec.schedules import Action, Schedule
 
 __all__ = [
     "PipelineChannel",

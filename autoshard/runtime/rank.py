@@ -28,16 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autoshard.distributed.comm import CommCounter
+from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
-from autoshard.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.graph_ops.masks import SingleDeviceMasks
+from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
+from autoshard.ir.placements import ParamPlacement, Shard
 from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
-from autoshard.placements import ParamPlacement, Shard
-from autoshard.runtime.comm import CommCounter
 from autoshard.runtime.compiled import rank_compiler
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
-from autoshard.runtime.masks import SingleDeviceMasks
 from autoshard.runtime.optim import (
     clip_by_global_norm,
     make_optimizer,
@@ -47,7 +48,6 @@ from autoshard.runtime.optim import (
 )
 from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
 from autoshard.runtime.tp import TensorParallel
-from autoshard.runtime.tracing import span
 from autoshard.runtime.zero import Zero3Holder
 
 __all__ = ["RankRuntime", "make_group", "shared_group"]

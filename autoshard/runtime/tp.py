@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.distributed import funcol
+from autoshard.distributed.comm import CommCounter
 from autoshard.errors import DistributedError, InputError
-from autoshard.ops import WRAPPERS
-from autoshard.placements import Shard
-from autoshard.runtime import funcol
-from autoshard.runtime.comm import CommCounter
-from autoshard.runtime.graph_break import stays_eager
+from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.ir.ops import WRAPPERS
+from autoshard.ir.placements import Shard
 
 __all__ = [
     "CROSS_ENTROPY_ALL_REDUCES",

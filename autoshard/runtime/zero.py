@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.runtime.comm import CommCounter
+from autoshard.distributed.comm import CommCounter
+from autoshard.distributed.tracing import span
+from autoshard.graph_ops.graph_break import stays_eager
 from autoshard.runtime.flat import FlatLayout
-from autoshard.runtime.graph_break import stays_eager
 from autoshard.runtime.holders import Groups, ShardedGrads, _nbytes
 from autoshard.runtime.masters import Masters
-from autoshard.runtime.tracing import span
 
 __all__ = ["UnboundZero3Runtime", "Zero3Holder", "Zero3Runtime", "gather", "mark"]
 

@@ -76,14 +76,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "10_addmm_column_and_row_swapped",
-        "file": "autoshard/sharding_compute_rules.py",
+        "file": "autoshard/sharding/compute.py",
         "why": "addmm's weight is read as W[out, in] (linear's layout): column- and row-parallel swapped",
         "tests": ["tests/test_rules_matmul.py"],
         "k": "addmm",
     },
     {
         "name": "11_schedule_rule2_removed",
-        "file": "autoshard/schedules.py",
+        "file": "autoshard/spec/schedules.py",
         "why": (
             "the validator no longer checks rule 2 (forward before backward); the deadlock check refuses "
             "such schedules under another rule"
@@ -194,7 +194,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "25_reduce_scatter_to_group_ranks",
-        "file": "autoshard/runtime/comm.py",
+        "file": "autoshard/distributed/comm.py",
         "why": (
             "gloo's chunked reduce-scatter and all-gather address ranks by their index in the group, not "
             "their global rank"
@@ -204,7 +204,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "26_norm_counts_tp_replicas",
-        "file": "autoshard/placements.py",
+        "file": "autoshard/ir/placements.py",
         "why": "the global norm counts a tp-replicated weight's gradient on every tp rank",
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "clipping and tp2",
@@ -301,7 +301,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "39_view_split_shards_inner_dimension",
-        "file": "autoshard/sharding_rules.py",
+        "file": "autoshard/sharding/rules.py",
         "why": (
             "a view that splits a sharded dimension puts the shard on the innermost part (head_dim) instead "
             "of the outermost (heads)"
@@ -311,7 +311,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "40_fused_split_not_strided",
-        "file": "autoshard/sharding_rules.py",
+        "file": "autoshard/sharding/rules.py",
         "why": (
             "a split into equal parts of a sharded value no longer asks for a strided shard: fused QKV gives"
             " each rank wrong q, k, v"
@@ -321,14 +321,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "41_bmm_contraction_not_partial",
-        "file": "autoshard/sharding_compute_rules.py",
+        "file": "autoshard/sharding/compute.py",
         "why": ("bmm/matmul with the contracted dimension split claims a replicated result instead of partial sums"),
         "tests": ["tests/test_rules_matmul.py"],
         "k": "bmm or matmul",
     },
     {
         "name": "42_attention_mask_per_head_inverted",
-        "file": "autoshard/sharding_compute_rules.py",
+        "file": "autoshard/sharding/compute.py",
         "why": ("attention asks for a mask shared by all heads to be sharded by heads, and a per-head mask whole"),
         "tests": ["tests/test_rules_matmul.py"],
         "k": "attention",
@@ -356,21 +356,21 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "46_schedule_dependency_in_the_same_step",
-        "file": "autoshard/schedules.py",
+        "file": "autoshard/spec/schedules.py",
         "why": ("the schedule simulation lets an action run in the same time step as the action it waits for"),
         "tests": ["tests/test_schedules.py"],
         "k": "bubble",
     },
     {
         "name": "47_dropout_masks_rows_of_the_first_dp_rank",
-        "file": "autoshard/runtime/masks.py",
+        "file": "autoshard/graph_ops/masks.py",
         "why": "single-device dropout masks: every dp rank keeps the first dp rank's rows of the global mask",
         "tests": ["tests/test_dropout_masks.py"],
         "k": "microbatches_slice",
     },
     {
         "name": "48_dropout_masks_later_stages_not_drawn",
-        "file": "autoshard/runtime/masks.py",
+        "file": "autoshard/graph_ops/masks.py",
         "why": (
             "single-device dropout masks: a step ends without drawing the later pipeline stages' masks, so "
             "earlier stages' ranks fall out of the shared random sequence"
@@ -380,14 +380,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "49_verify_partial_values_not_summed",
-        "file": "autoshard/node_values.py",
+        "file": "autoshard/inspection/node_values.py",
         "why": "verify takes one rank's partial sum as the full value of a node partial over tp",
         "tests": ["tests/test_verify.py"],
         "k": "no_divergence_under_tp_and_pp",
     },
     {
         "name": "50_mfu_ignores_the_world_size",
-        "file": "autoshard/metrics.py",
+        "file": "autoshard/inspection/metrics.py",
         "why": "MFU divides the whole mesh's FLOPs by one device's peak (the world size left out)",
         "tests": ["tests/test_metrics.py"],
         "k": "metrics_and_trace",
@@ -450,14 +450,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "59_blocks_configured_apart_stamped",
-        "file": "autoshard/capture_blocks.py",
+        "file": "autoshard/capture/blocks.py",
         "why": "blocks whose attributes differ (sliding-window layers every few blocks) are stamped as copies",
         "tests": ["tests/test_capture_blocks.py"],
         "k": "configured_apart",
     },
     {
         "name": "60_stamped_blocks_read_the_last_traced_block",
-        "file": "autoshard/capture_blocks.py",
+        "file": "autoshard/capture/blocks.py",
         "why": (
             "every stamped block reads the last traced block's output instead of the block before it (a check "
             "against a three-block trace cannot see it: only the stamped depth can)"
@@ -467,7 +467,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "61_checkpoint_restores_the_kernel_choice",
-        "file": "autoshard/checkpoint.py",
+        "file": "autoshard/checkpoint/__init__.py",
         "why": (
             "a checkpoint saved on the fused kernel puts the loading program on that kernel too, though its "
             "step counts were loaded on the host (a fused kernel on a GPU wants them on the device)"
@@ -493,7 +493,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "64_cpu_matmul_hides_its_operand_pass",
-        "file": "autoshard/hardware.py",
+        "file": "autoshard/planner/hardware.py",
         "why": "a CPU matmul overlaps its operand pass with its FLOPs (the slower of the two), as a GPU kernel does",
         "tests": ["tests/test_planner_rules.py"],
         "k": "operand_pass",
@@ -528,7 +528,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "69_sync_wait_alike_in_every_group_size",
-        "file": "autoshard/hardware.py",
+        "file": "autoshard/planner/hardware.py",
         "why": "a pair of ranks is costed the arrival wait of the largest group measured, not of its own size",
         "tests": ["tests/test_planner_rules.py"],
         "k": "group_size_was_measured",

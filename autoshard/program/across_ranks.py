@@ -1,0 +1,100 @@
+"""The model's state across ranks, read off each tensor's ParamPlacement.
+
+``full_state`` joins it on rank 0: the holder gathers dp shards (ZeRO-3), tp shards are gathered
+over tp, and each tensor comes from the first pipeline rank that holds it. ``load_full_state``
+is the converse: every rank takes its share of a full state dict. ``local_state`` is what this rank
+holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoshard.errors import InputError
+from autoshard.ir.placements import OnStages, Shard
+
+__all__ = ["full_state", "load_full_state", "local_state"]
+
+
+def local_state(rt: Any) -> dict[str, torch.Tensor]:
+    """This rank's tensors by key (tp slices as held); under ZeRO-3 its flat shards, then its buffers."""
+    if rt.plan.zero == 3:
+        shards = {f"zero3.shards.{g}": s.detach() for g, s in rt.holder.runtime.shards.items()}
+        params = {id(p) for p in rt.holder.params()}
+        return shards | {k: t.detach() for k, t in rt.tensors.items() if id(t) not in params and _held(rt, k)}
+    return {key: t.detach() for key, t in rt.tensors.items() if _held(rt, key)}
+
+
+def _held(rt: Any, key: str) -> bool:
+    return rt.compiled.placements[key].held_on(rt.coords["pp"])
+
+
+def full_state(rt: Any) -> dict[str, torch.Tensor]:
+    """On rank 0: every key of the model's state dict, full shapes; elsewhere {}. A collective."""
+    placements = rt.compiled.placements
+    whole = rt.holder.full_values()  # whole along dp (ZeRO-3 gathers)
+    values: dict[int, torch.Tensor] = {}
+    for key, tensor in rt.tensors.items():
+        if id(tensor) in values or not _held(rt, key):
+            continue
+        value = whole.get(id(tensor), tensor.detach())
+        tp = placements[key].tp
+        values[id(tensor)] = rt.tp.gather(value, tp) if isinstance(tp, Shard) and rt.tp is not None else value
+    owner = {}
+    for key, placement in placements.items():
+        first_pp = placement.pp.ranks[0] if isinstance(placement.pp, OnStages) else 0
+        owner[key] = rt.mesh.rank_of(pp=first_pp)
+    out = {k: values[id(rt.tensors[k])].clone() for k in rt.tensors if owner[k] == 0} if rt.rank == 0 else {}
+    for src in sorted(set(owner.values()) - {0}):
+        keys = list(dict.fromkeys(k for k in rt.tensors if owner[k] == src))
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for key in keys:
+            by_dtype.setdefault(rt.tensors[key].dtype, []).append(key)
+        for dtype, group in by_dtype.items():
+            numels = [torch.Size(placements[k].shape).numel() for k in group]
+            if rt.rank == src:
+                flat = torch.cat([values[id(rt.tensors[k])].reshape(-1) for k in group])
+                dist.send(flat, dst=0, group=rt.p2p_group)
+            elif rt.rank == 0:
+                flat = torch.empty(sum(numels), dtype=dtype, device=rt.device)
+                dist.recv(flat, src=src, group=rt.p2p_group)
+                for key, piece in zip(group, flat.split(numels)):
+                    out[key] = piece.view(placements[key].shape).clone()
+    return {key: out[key] for key in rt.tensors} if rt.rank == 0 else {}
+
+
+def check_full_state(placements: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
+    """Refuse a state dict whose keys or shapes differ from the model's, before anything changes."""
+    missing = sorted(set(placements) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(placements))
+    if missing or unexpected:
+        raise InputError(f"state dict keys do not match the model: missing {missing}, unexpected {unexpected}")
+    for key, placement in placements.items():
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(placement.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InputError(f"{key}: shape {got} in the state dict, {tuple(placement.shape)} in the model")
+
+
+def load_full_state(rt: Any, state_dict: dict[str, torch.Tensor]) -> None:
+    """Every rank keeps its share of a full state dict (the original model's keys and shapes)."""
+    placements = rt.compiled.placements
+    check_full_state(placements, state_dict)
+    in_holder = {id(p) for p in rt.holder.params()}
+    values: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, tensor in rt.tensors.items():
+            if not _held(rt, key):
+                continue
+            value = state_dict[key].to(device=rt.device, dtype=tensor.dtype)
+            tp = placements[key].tp
+            if isinstance(tp, Shard) and rt.tp is not None:
+                value = tp.local(value, rt.tp.rank, rt.tp.degree)
+            if id(tensor) in in_holder:
+                values[id(tensor)] = value
+            else:
+                tensor.copy_(value)
+        rt.holder.load_values(values)

@@ -1,0 +1,56 @@
+"""Program's state and checkpoint methods (a mixin of autoshard.Program): state dicts, DCP checkpoints,
+resume, export. They delegate to runtime/state.py and checkpoint.py on this rank's runtime."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from autoshard import checkpoint
+from autoshard.program import across_ranks as state
+
+__all__ = ["StateMethods"]
+
+
+class StateMethods:
+    """Mixed into Program, which provides ``runtime``, ``compiled`` and ``_runtime(what)``."""
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors: the model's keys (with ZeRO-3: its flat shards, then the buffers)."""
+        return state.local_state(self._runtime("state_dict()"))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """On rank 0: the original model's keys and full shapes; elsewhere an empty dict. Call on every rank."""
+        if self.runtime is None:
+            return {k: v.detach().clone() for k, v in self.compiled.model.state_dict().items()}
+        return state.full_state(self.runtime)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (the original model's keys) on every rank; each keeps its share."""
+        state.load_full_state(self._runtime("load_state_dict()"), state_dict)
+
+    # ---- checkpoints (autoshard/checkpoint/__init__.py) ------------------------------------------------
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Each rank writes its shards, optimizer state and random state; ``extra`` (JSON data, e.g. an LR
+        scheduler's state_dict()) comes back from ``load``. Atomic; call on every rank."""
+        return checkpoint.save(self._runtime("save()"), path, extra)
+
+    def load(self, path: str | os.PathLike) -> dict | None:
+        """Restore a checkpoint saved under any plan of the same model; returns its ``extra``. Every rank."""
+        return checkpoint.load(self._runtime("load()"), path)
+
+    def resume(self, directory: str | os.PathLike) -> Path | None:
+        """Load the newest complete checkpoint under ``directory``, if any (every rank the same); its path or None."""
+        return checkpoint.resume(self._runtime("resume()"), directory)
+
+    def save_full(self, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
+        """The consolidated model state as one safetensors file (rank 0 writes; every rank calls)."""
+        return checkpoint.save_full(self._runtime("save_full()"), path, masters=masters)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self._runtime("steps").steps

@@ -1,0 +1,203 @@
+"""The plan: which parallel strategy each mesh dimension runs, as a frozen, printable record."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoshard.errors import PlanError
+from autoshard.spec.mesh import Mesh
+from autoshard.spec.schedules import Schedule
+
+__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+RECOMPUTE = ("none", "full", "selective")
+DROPOUT_MASKS = ("per_rank", "single_device")
+
+
+def is_mixed_precision(param_dtype: torch.dtype | None) -> bool:
+    """Computing in a lower precision than fp32 (so fp32 master weights are kept apart)."""
+    return param_dtype not in (None, torch.float32)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"plan field {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Degrees and options of one distributed training program.
+
+    dp, tp, pp        data, tensor and pipeline parallel degrees; their product is the world size
+    zero              ZeRO stage over the dp group (0: plain data parallel)
+    offload           keep optimizer state and its update on the CPU
+    schedule          pipeline schedule (used when pp > 1): one of SCHEDULES, or a Schedule of your own
+                      (autoshard.Schedule.parse("rank 0: 0F0 0B0 ...")), validated at compile
+    microbatches      microbatches per step; each dp rank's batch must divide into them. With pp > 1 they fill
+                      the pipeline; with pp = 1 they are gradient accumulation (k forward/backward passes, one
+                      gradient synchronization)
+    virtual_stages    stages per pipeline rank (interleaved 1F1B); the model is cut into pp * virtual_stages
+    pp_cuts           names of the blocks (or graph nodes) that start stages 1.. (("transformer.h.6",)); None: balanced
+    bucket_mb         size of a data-parallel gradient bucket in MiB
+    max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
+    param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
+                      shards (needs zero >= 1). The model is converted in place. None: the model's dtype.
+    sequence_parallel with tp > 1: layer norms, dropout and residual adds work on sequence shards, and the
+                      all-reduces of tensor parallelism become all-gathers and reduce-scatters
+    recompute         activations recomputed in backward instead of kept: "none"; "full" (each block keeps only
+                      its input); "selective" (keep the outputs of matmuls with weights and of communication,
+                      recompute attention, norms, dropout and pointwise ops); or a tuple of block names (full
+                      recomputation of just those blocks)
+    dropout_masks     "per_rank": each rank draws its own dropout masks (fast); "single_device": every rank
+                      draws each mask for the global batch as one device would and keeps its slice, so
+                      training with dropout equals single-device training bit for bit (costs draws at
+                      global size on every rank; runtime/masks.py)
+    autocast          run every graph under torch.autocast in this dtype (e.g. torch.bfloat16): matmuls in
+                      bf16, parameters, gradients and the optimizer in fp32 (the alternative to param_dtype)
+    reduce_dtype      the dtype gradients are reduced in over dp (None: their own): torch.float32 with bf16
+                      parameters sums in full precision; torch.bfloat16 with autocast halves the bytes moved
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: bool = False
+    schedule: str | Schedule = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    pp_cuts: tuple[str, ...] | None = None
+    bucket_mb: float = 25.0
+    max_grad_norm: float | None = None
+    param_dtype: torch.dtype | None = None
+    sequence_parallel: bool = False
+    recompute: str | tuple[str, ...] = "none"
+    dropout_masks: str = "per_rank"
+    autocast: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schedule, Schedule):
+            # A schedule of one's own fixes the microbatches and virtual stages (compile refuses a
+            # plan that asks for other numbers alongside it).
+            object.__setattr__(self, "microbatches", self.schedule.microbatches)
+            object.__setattr__(self, "virtual_stages", self.schedule.virtual_stages)
+        elif self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"plan field schedule={self.schedule!r} must be one of {SCHEDULES} or an autoshard.Schedule"
+            )
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+            _positive_int(name, getattr(self, name))
+        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "custom"):
+            raise PlanError(
+                f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
+                f"schedule='interleaved_1f1b' runs; use that schedule or virtual_stages=1"
+            )
+        if self.pp_cuts is not None:
+            if isinstance(self.pp_cuts, str) or not all(isinstance(c, str) for c in self.pp_cuts):
+                raise PlanError(f"plan field pp_cuts={self.pp_cuts!r} must be a list of block or node names")
+            object.__setattr__(self, "pp_cuts", tuple(self.pp_cuts))  # hashable, printable
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"plan field zero={self.zero!r} must be one of 0, 1, 2, 3")
+        if not isinstance(self.offload, bool):
+            raise PlanError(f"plan field offload={self.offload!r} must be True or False")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
+            raise PlanError(f"plan field bucket_mb={self.bucket_mb!r} must be a positive number of MiB")
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, (int, float))
+            or self.max_grad_norm <= 0
+        ):
+            raise PlanError(f"plan field max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+        if self.param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise PlanError(f"plan field param_dtype={self.param_dtype!r} must be torch.bfloat16, float16 or float32")
+        if self.mixed_precision and self.zero == 0:
+            raise PlanError(
+                f"param_dtype={self.param_dtype} keeps fp32 master weights in ZeRO's optimizer shards: "
+                f"it needs zero=1, 2 or 3"
+            )
+        if self.offload and self.zero == 0:
+            raise PlanError("offload=True keeps ZeRO's optimizer shards on the CPU: it needs zero=1, 2 or 3")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"plan field sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if isinstance(self.recompute, (list, tuple)):
+            if not self.recompute or not all(isinstance(b, str) for b in self.recompute):
+                raise PlanError(f"plan field recompute={self.recompute!r} must name blocks (e.g. ('transformer.h.0',))")
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        elif self.recompute not in RECOMPUTE:
+            raise PlanError(
+                f"plan field recompute={self.recompute!r} must be one of {RECOMPUTE} or a tuple of block names"
+            )
+        if self.dropout_masks not in DROPOUT_MASKS:
+            raise PlanError(f"plan field dropout_masks={self.dropout_masks!r} must be one of {DROPOUT_MASKS}")
+        for name in ("autocast", "reduce_dtype"):
+            if getattr(self, name) not in (None, *LOW_PRECISION, *((torch.float32,) if name == "reduce_dtype" else ())):
+                allowed = "torch.bfloat16 or float16" + (", float32" if name == "reduce_dtype" else "")
+                raise PlanError(f"plan field {name}={getattr(self, name)!r} must be {allowed}, or None")
+        if self.autocast is not None and self.mixed_precision:
+            raise PlanError(
+                f"autocast={self.autocast} computes in low precision from fp32 parameters, param_dtype="
+                f"{self.param_dtype} stores them in low precision: use one of the two"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
+
+    @property
+    def schedule_name(self) -> str:
+        return "custom" if isinstance(self.schedule, Schedule) else self.schedule
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return is_mixed_precision(self.param_dtype)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def check_overrides(cls, overrides: dict[str, Any]) -> None:
+        unknown = sorted(set(overrides) - set(cls.field_names()))
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {unknown}; the fields are {list(cls.field_names())}")
+
+    def __str__(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.offload:
+            parts.append("offload")
+        if self.pp > 1:
+            parts += [f"schedule={self.schedule_name}", f"microbatches={self.microbatches}"]
+            if self.virtual_stages > 1:
+                parts.append(f"virtual_stages={self.virtual_stages}")
+            if self.pp_cuts is not None:
+                parts.append(f"pp_cuts={list(self.pp_cuts)}")
+        elif self.microbatches > 1:
+            parts.append(f"microbatches={self.microbatches}")
+        parts.append(f"bucket={self.bucket_mb:g}MiB")
+        if self.max_grad_norm is not None:
+            parts.append(f"max_grad_norm={self.max_grad_norm:g}")
+        if self.param_dtype is not None:
+            parts.append(f"param_dtype={str(self.param_dtype).removeprefix('torch.')}")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel")
+        if self.dropout_masks != "per_rank":
+            parts.append(f"dropout_masks={self.dropout_masks}")
+        for name in ("autocast", "reduce_dtype"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={str(getattr(self, name)).removeprefix('torch.')}")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
+        return "Plan(" + ", ".join(parts) + ")"
