@@ -12,6 +12,7 @@ import sympy
 from torch import fx
 
 from . import (
+    autocast_asserts,
     cost_model,
     dropout_masks,
     grad_buckets,
@@ -38,6 +39,7 @@ __all__ = [
     "Pass",
     "PassResult",
     "analyze",
+    "autocast_asserts",
     "check_graph",
     "cost_model",
     "dropout_masks",
@@ -60,6 +62,7 @@ __all__ = [
 ANALYSES = (shape_prop.PASS, layer_assign.PASS, cost_model.PASS)
 ALL = (
     *ANALYSES,
+    autocast_asserts.PASS,
     tp_placement.PASS,
     tp_rewrite.PASS,
     dropout_masks.PASS,

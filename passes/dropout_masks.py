@@ -12,7 +12,7 @@ whole captured graph before it is cut into pipeline stages or recompute regions:
 
     dropout_3 = torch.ops.aten.dropout.default(add_5, 0.1, True)
 becomes
-    dropout_3 = autoshard_runtime_masks_dropout(masks, 2, add_5, 0.1, True)   # op 2 of the draw order
+    dropout_3 = autoshard_graph_ops_masks_dropout(masks, 2, add_5, 0.1, True)   # op 2 of the draw order
 
 On tp-sharded values the op was ``tp.sharded_random(tp, aten.dropout, x, p, train)``; it becomes the
 same call (the rank's shard of the single-device mask replaces the rank's own stream).

@@ -5,13 +5,17 @@ its function. ``run_pass`` checks the reads before the pass runs (a missing key 
 writes it) and, after it, lints every graph the pass produced and checks that each promised key is
 on every node of its scope, so a pass that forgets a key fails by name (torch.fx's PassBase
 requires/ensures, made declarative).
+
+A pipeline is a tuple of ``Step`` records, each a pass with the condition under which it runs (read
+off the state the pipeline carries: the plan, the graphs so far) and how it is applied; ``run_steps``
+runs the steps in order, each through ``run_pass``, once or once per graph, and logs every result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from torch import fx
 
@@ -26,9 +30,11 @@ __all__ = [
     "Pass",
     "PassResult",
     "Scope",
+    "Step",
     "all_nodes",
     "check_graph",
     "run_pass",
+    "run_steps",
 ]
 
 
@@ -129,3 +135,42 @@ def check_graph(gm: fx.GraphModule, writes: tuple[Need, ...] = (), pass_name: st
             raise MissingMetaError(
                 f"{pass_name} promised {need.key!r} on {need.scope.name}, but node {node.format_node()} lacks it"
             )
+
+
+class PipelineState(Protocol):
+    """What a pipeline carries from step to step: the whole graph, the graphs its per-graph steps run on
+    (pipeline stages once they are cut), and the log of results."""
+
+    gm: fx.GraphModule
+    log: list[PassResult]
+
+    def graphs(self) -> list[fx.GraphModule]: ...
+
+
+S = TypeVar("S", bound=PipelineState)
+
+
+@dataclass(frozen=True)
+class Step(Generic[S]):
+    """One step of a pipeline: ``apply(state, gm)`` runs ``pass_`` (through ``run_pass``) on ``gm`` when
+    ``when(state)`` holds; ``per_graph``: on each of ``state.graphs()`` in turn (pipeline stages), else on
+    the whole graph. ``apply`` keeps what the pass returns in the state for the steps after it."""
+
+    pass_: Pass
+    when: Callable[[S], bool]
+    apply: Callable[[S, fx.GraphModule], PassResult]
+    per_graph: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.pass_.name
+
+
+def run_steps(steps: tuple[Step[S], ...], state: S) -> S:
+    """Run the pipeline: every step whose condition holds, in order; each result into ``state.log``."""
+    for step in steps:
+        if not step.when(state):
+            continue
+        for gm in state.graphs() if step.per_graph else [state.gm]:
+            state.log.append(step.apply(state, gm))
+    return state

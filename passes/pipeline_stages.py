@@ -29,21 +29,46 @@ Graph inputs (token ids, labels) are the graph's placeholders on every stage tha
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.ir.meta import COST, LAYER, PIPE, SHAPE, STAGE, NodeShape, PipeSlot, get_cost, get_shape, get_stage
-from autoshard.runtime import pipeline
-from autoshard.runtime.pipeline import StageGraph
+from autoshard.graph_ops import pipeline
+from autoshard.ir.meta import (
+    COST,
+    LAYER,
+    PIPE,
+    SHAPE,
+    STAGE,
+    NodeShape,
+    PipeSlot,
+    TensorShape,
+    get_cost,
+    get_shape,
+    get_stage,
+)
 
 from .infra import Need, Pass, PassResult, calls_to
 
 __all__ = ["CHANNEL_ATTR", "PASS", "StageGraph", "run"]
 
 CHANNEL_ATTR = "pipe"
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """One stage (built by passes.pipeline_stages): its graph, which graph inputs it reads, what it
+    receives and sends."""
+
+    stage: int
+    gm: fx.GraphModule
+    input_indices: tuple[int, ...]  # positions in the captured graph's flat inputs
+    recv: tuple[TensorShape, ...]  # from stage - 1, in slot order
+    send: tuple[TensorShape, ...]  # to stage + 1, in slot order
+    parameter_targets: tuple[str, ...]  # get_attr targets of trainable parameters
 
 
 def _mutates(node: fx.Node) -> bool:

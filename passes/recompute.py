@@ -4,7 +4,7 @@ Reads:  autoshard.layer, autoshard.shape; autoshard.user_recompute (written at c
         the model's own torch.utils.checkpoint calls)
 Writes: autoshard.recompute (meta.RecomputeRegion) on each region's call node
 
-Each region becomes a submodule of the graph, called through ``runtime.recompute.region``, which
+Each region becomes a submodule of the graph, called through ``graph_ops.recompute.region``, which
 keeps only the region's inputs for backward and recomputes the rest just before the region's
 backward runs. The choice (``Plan.recompute``):
 
@@ -39,12 +39,11 @@ import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.graph_ops import recompute
+from autoshard.graph_ops import pipeline, recompute, zero
+from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
 from autoshard.ir.ops import ALIASING, packet, runs
-from autoshard.runtime import pipeline, zero
-from autoshard.runtime import tp as tp_ops
-from autoshard.sharding.compute import matmul_dims
+from autoshard.sharding.matmul import matmul_dims
 
 from .infra import Need, Pass, PassResult, calls_to
 

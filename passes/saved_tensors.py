@@ -32,13 +32,12 @@ import torch
 from torch import fx
 
 from autoshard.graph_ops import masks as mask_ops
-from autoshard.graph_ops import recompute
+from autoshard.graph_ops import pipeline, recompute, zero
+from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.autocast import cast_to, run_dtypes
 from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
 from autoshard.ir.ops import ALIASING, WRAPPERS, packet, runs
-from autoshard.runtime import pipeline, zero
-from autoshard.runtime import tp as tp_ops
-from autoshard.sharding.compute import matmul_dims
+from autoshard.sharding.matmul import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
 
@@ -257,7 +256,7 @@ def _run_nbytes(root: fx.Node, dtypes: dict[fx.Node, torch.dtype]) -> sympy.Expr
     return shape.nbytes
 
 
-def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: Any, dtypes: dict) -> tuple | None:
+def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: torch.dtype | None, dtypes: dict) -> tuple | None:
     """Under autocast: (key, bytes) of the cast copy of input ``value`` that ``node`` saves, or None."""
     cast = cast_to(runs(node)[0], device_type, autocast) if autocast is not None else None
     if cast is None or not isinstance(value, fx.Node) or value is node:
@@ -273,7 +272,7 @@ def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: Any, dtype
 
 
 def _account(
-    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: Any = None
+    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None
 ) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
     """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
     layers: dict[str, dict[str, sympy.Expr]] = {}
@@ -315,7 +314,9 @@ def _account(
     return layers, unaccounted
 
 
-def run(gm: fx.GraphModule, device_type: str = "cpu", part: bool = False, autocast: Any = None) -> PassResult:
+def run(
+    gm: fx.GraphModule, device_type: str = "cpu", part: bool = False, autocast: torch.dtype | None = None
+) -> PassResult:
     """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above).
     ``part``: ``gm`` is a part cut out of a model's graph (the planner's profile): its placeholders that
     need grad are the previous part's activations, kept like any other. ``autocast``: the dtype the graph

@@ -8,7 +8,7 @@ layout rather than being told it:
 
 1. Weights are seeds in order of first use. A linear's weight is tried column-parallel (output
    features sharded), an embedding's table vocab-parallel (rows sharded).
-2. The rules (autoshard.sharding.rules) propagate placements through the whole graph; where an op
+2. The rules (autoshard.sharding) propagate placements through the whole graph; where an op
    wants an input in another placement, that is a redistribution. Redistributions the seed made
    are fixed where a weight not yet decided can absorb them:
    - a linear whose input arrives sharded on its features becomes row-parallel (its output is
@@ -43,9 +43,10 @@ from torch import fx
 
 from autoshard.ir.meta import SHAPE, TP, TpPlacement, get_shape
 from autoshard.ir.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
-from autoshard.ir.placements import Partial, Placement, Replicate, Shard
-from autoshard.sharding.compute import matmul_dims
-from autoshard.sharding.rules import RULES, Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
+from autoshard.ir.placements import Placement, Replicate, Shard
+from autoshard.sharding import RULES
+from autoshard.sharding.matmul import matmul_dims
+from autoshard.sharding.propagate import Propagation, Redistribution, propagate
 
 from .infra import Need, Pass, PassResult
 
@@ -54,27 +55,6 @@ __all__ = ["PASS", "Redistribution", "TpReport", "run"]
 aten = torch.ops.aten
 R = Replicate()
 _TRANSPARENT_LIMIT = 64  # nodes walked back from a wanted input when looking for linears to pull in
-
-
-@dataclass(frozen=True)
-class Redistribution:
-    """An input ``source`` that ``consumer`` reads in placement ``dst`` although it was made in ``src``."""
-
-    consumer: str
-    source: str
-    src: Placement
-    dst: Placement
-
-    @property
-    def kind(self) -> str:
-        if isinstance(self.src, Partial):
-            return "all_reduce" if self.dst == R else "reduce_scatter"
-        if isinstance(self.src, Shard):
-            return "all_gather" if self.dst == R else "all_to_all"
-        return "slice"
-
-    def __str__(self) -> str:
-        return f"{self.consumer} reads {self.source} as {self.dst}, made {self.src}: {self.kind}"
 
 
 @dataclass
@@ -91,21 +71,6 @@ class TpReport:
     redistributions: list[Redistribution] = field(default_factory=list)
 
 
-@dataclass
-class _Propagation:
-    out: dict[fx.Node, object]
-    decisions: dict[fx.Node, Decision]
-    wants: list[tuple[fx.Node, fx.Node, Placement, Placement]]  # consumer, source, src, dst
-    reads: dict[fx.Node, dict[fx.Node, object]]
-
-    def bad(self) -> set[tuple[fx.Node, fx.Node, Placement]]:
-        """Redistributions that cost a forward all-gather (or worse)."""
-        return {(u, a, dst) for u, a, src, dst in self.wants if isinstance(src, Shard)}
-
-    def all_reduces(self) -> set[tuple[fx.Node, fx.Node]]:
-        return {(u, a) for u, a, src, dst in self.wants if isinstance(src, Partial)}
-
-
 def _indexed_by_input(embedding: fx.Node) -> bool:
     """Whether an embedding's indices are a model input (token ids), through views only."""
     node = embedding.args[1]
@@ -116,69 +81,6 @@ def _indexed_by_input(embedding: fx.Node) -> bool:
             return False
         node = node.args[0]
     return False
-
-
-def _propagate(
-    gm: fx.GraphModule,
-    weights: dict[str, Placement],
-    degree: int,
-    sequence_parallel: bool = False,
-    example_sizes: dict[str, int] | None = None,
-) -> _Propagation:
-    out: dict[fx.Node, object] = {}  # what each op makes
-    seen: dict[fx.Node, object] = {}  # what later readers get: a Partial reduced for one reader is reduced for all
-    decisions: dict[fx.Node, Decision] = {}
-    reads: dict[fx.Node, dict[fx.Node, object]] = {}  # the placement each op reads each input in
-    wants = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            out[node] = R
-        elif node.op == "get_attr":
-            out[node] = weights.get(node.target, R)
-        elif node.op == "call_function":
-            ctx = RuleInput(node, seen, degree, sequence_parallel, example_sizes)
-            rule = RULES.get(node.target)
-            decision = rule(ctx) if rule is not None else replicate_all(ctx)
-            if sequence_parallel:
-                decision = _on_sequence_shards(ctx, rule, decision)
-            if not fits_ranks(node, decision):
-                fallback = replicate_all(ctx)
-                decision = Decision(fallback.out, fallback.want, FALLBACK, fallback=True)
-            reads[node] = {a: decision.want.get(a, seen.get(a, R)) for a in node.all_input_nodes}
-            for source, dst in decision.want.items():
-                src = ctx.p(source)
-                if src != dst:
-                    wants.append((node, source, src, dst))
-                    if isinstance(src, Partial):
-                        seen[source] = dst
-            decisions[node] = decision
-            out[node] = decision.out
-        else:
-            continue
-        seen[node] = out[node]
-    return _Propagation(out, decisions, wants, reads)
-
-
-FALLBACK = "no valid placement from its rule: replicated"
-
-
-def _on_sequence_shards(ctx: RuleInput, rule: object, decision: Decision) -> Decision:
-    """Sequence parallel: where a Partial input would be all-reduced, try it reduce-scattered over the sequence."""
-    partial = {
-        a: sequence_dim(get_shape(a).tensor.sizes)
-        for a, dst in decision.want.items()
-        if dst == R and isinstance(ctx.p(a), Partial)
-    }
-    partial = {a: dim for a, dim in partial.items() if dim is not None}
-    if not partial or rule is None:
-        return decision
-    trial = dict(ctx.placements)
-    trial.update({a: Shard(dim) for a, dim in partial.items()})
-    again = rule(RuleInput(ctx.node, trial, ctx.degree, True, ctx.example_sizes))
-    if any(a in again.want for a in partial):
-        return decision
-    want = {**again.want, **{a: Shard(dim) for a, dim in partial.items()}}
-    return Decision(again.out, want, again.note, again.bias)
 
 
 def _trainable_matrix(gm: fx.GraphModule, node: object) -> bool:
@@ -246,7 +148,7 @@ class _Search:
     def undecided(self, trial: dict[str, Placement], target: str) -> bool:
         return target not in self.committed and target not in trial
 
-    def pull_candidates(self, prop: _Propagation, start: fx.Node, trial: dict[str, Placement]) -> list[fx.Node]:
+    def pull_candidates(self, prop: Propagation, start: fx.Node, trial: dict[str, Placement]) -> list[fx.Node]:
         """Linears with undecided weights that make ``start`` through shape and elementwise ops."""
         found, stack, seen = [], [start], set()
         while stack and len(seen) < _TRANSPARENT_LIMIT:
@@ -277,7 +179,7 @@ class _Search:
             node, steps = node.args[0], steps + 1
         return None
 
-    def fix(self, prop: _Propagation, trial: dict[str, Placement], banned: set[fx.Node]) -> bool:
+    def fix(self, prop: Propagation, trial: dict[str, Placement], banned: set[fx.Node]) -> bool:
         """Let undecided weights absorb one redistribution the trial caused; False when none can."""
         for consumer, source, src, dst in prop.wants:
             dims = matmul_dims(consumer.target)
@@ -321,7 +223,7 @@ class _Search:
                     before = prop.bad()
                     for n in pulled:
                         self.seed_placement(trial, n, _column(n))
-                    after = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+                    after = propagate(self.gm, {**self.committed, **trial}, self.degree)
                     if after.bad() - before:  # it made things worse (e.g. too few KV heads): slice instead
                         for n in pulled:
                             trial.pop(_weight_of(n).target, None)
@@ -333,8 +235,8 @@ class _Search:
                     return True
         return False
 
-    def run(self, report: TpReport) -> _Propagation:
-        base = _propagate(self.gm, self.committed, self.degree)
+    def run(self, report: TpReport) -> Propagation:
+        base = propagate(self.gm, self.committed, self.degree)
         for seed in _seeds(self.gm):
             weight = _weight_of(seed)
             if weight.target in self.committed:
@@ -347,11 +249,11 @@ class _Search:
             trial: dict[str, Placement] = {}
             self.seed_placement(trial, seed, placement)
             banned: set[fx.Node] = set()
-            prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+            prop = propagate(self.gm, {**self.committed, **trial}, self.degree)
             for _ in range(4 * self.n_weights + 8):  # each fix decides a weight (or its blocks): a safe bound
                 if not self.fix(prop, trial, banned):
                     break
-                prop = _propagate(self.gm, {**self.committed, **trial}, self.degree)
+                prop = propagate(self.gm, {**self.committed, **trial}, self.degree)
             new_bad = prop.bad() - base.bad()
             if not new_bad and seed.target == aten.embedding.default and not _indexed_by_input(seed):
                 # A position or type table is small: worth sharding only where its sum is reduced anyway.
@@ -385,7 +287,7 @@ def run(
     search = _Search(gm, degree)
     prop = search.run(report)
     if sequence_parallel:  # the same weights; activations between the sharded regions on sequence shards
-        prop = _propagate(gm, search.committed, degree, True, example_sizes)
+        prop = propagate(gm, search.committed, degree, True, example_sizes)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue

@@ -40,6 +40,7 @@ import sympy
 import torch
 from torch import fx
 
+from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import (
     BIAS_AFTER_REDUCE,
     BIAS_SPLIT,
@@ -58,8 +59,7 @@ from autoshard.ir.meta import (
 )
 from autoshard.ir.ops import RANDOM, SHARD_PRESERVING
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
-from autoshard.runtime import tp as tp_ops
-from autoshard.sharding.compute import matmul_dims
+from autoshard.sharding.matmul import matmul_dims
 
 from .infra import Need, Pass, PassResult, all_nodes, calls_to
 
@@ -70,7 +70,7 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-def _local_tensor(shape: TensorShape | None, placement: Any, degree: int) -> TensorShape | None:
+def _local_tensor(shape: TensorShape | None, placement: Placement, degree: int) -> TensorShape | None:
     if shape is None or not isinstance(placement, Shard):
         return shape
     sizes = list(shape.sizes)
@@ -78,7 +78,7 @@ def _local_tensor(shape: TensorShape | None, placement: Any, degree: int) -> Ten
     return TensorShape(tuple(sizes), shape.dtype, shape.requires_grad)
 
 
-def _local_shape(shape: NodeShape, placement: Any, degree: int) -> NodeShape:
+def _local_shape(shape: NodeShape, placement: Placement | tuple[Placement, ...], degree: int) -> NodeShape:
     if shape.scalar is not None:
         return shape
     placements = placement if isinstance(placement, tuple) else (placement,) * len(shape.tensors)

@@ -29,9 +29,9 @@ import operator
 
 from torch import fx
 
+from autoshard.graph_ops import zero
 from autoshard.ir.meta import LAYER, SHAPE, ZERO3, ZERO_GROUP, NodeShape, Zero3Gather, get_shape, get_zero_group
 from autoshard.ir.ops import ALIASING, packet
-from autoshard.runtime import zero
 
 from .infra import PARAMETERS, Need, Pass, PassResult, calls_to
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-import autoshard.compiler
+import autoshard.planner.api
 from autoshard.capture import Captured, capture
 
 BUILD_KEY = "_suite_build_key"  # set on the models cases.build_model returns
@@ -88,4 +88,4 @@ def memoized_capture(
 
 
 def install() -> None:
-    autoshard.compiler.capture = memoized_capture
+    autoshard.planner.api.capture = memoized_capture

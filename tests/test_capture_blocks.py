@@ -12,6 +12,7 @@ import transformers
 from torch import nn
 
 import autoshard
+import autoshard.planner.api
 from autoshard import capture as capture_module
 from autoshard.capture import capture
 from autoshard.capture.blocks import MIN_BLOCKS, _in_block, find_repeated_blocks, first_difference
@@ -95,7 +96,7 @@ def test_a_plan_from_the_stamped_graph_is_the_full_traces(
     model, *traced = captures
 
     def planned(captured: capture_module.Captured) -> list[tuple[str, float, int]]:
-        monkeypatch.setattr(autoshard.compiler, "capture", lambda *args: captured)
+        monkeypatch.setattr(autoshard.planner.api, "capture", lambda *args: captured)
         report = autoshard.plan(model, 8, (_ids(),), {"labels": _ids(), "use_cache": False})
         return [(str(c.plan), c.step_time, c.memory.total) for c in report.candidates]
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
+from autoshard import sharding as sharding_rules
 from autoshard.capture import capture
 from autoshard.ir.placements import Shard
-from autoshard.sharding import rules as sharding_rules
 
 aten = torch.ops.aten
 

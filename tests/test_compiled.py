@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autoshard
-from autoshard.compiler.torch_compile import check_devices
 from autoshard.runtime.optim import with_fused_kernel
+from autoshard.spec.torch_compile import check_devices
 
 # Compiled kernels sum in other orders than eager ones (fused reductions, inductor's matmul epilogues).
 RTOL, ATOL = 1e-4, 1e-5

@@ -89,7 +89,7 @@ def test_the_rewritten_graph_reads_each_mask_in_draw_order() -> None:
     assert attention.batch_dim == 0 and attention.tp == autoshard.Shard(1)  # heads, split over tp
     assert [str(s) for s in attention.sizes] == ["B", "4", "S", "S"]  # the global shape: all 4 heads
     code = program.captured_graph.code
-    assert code.count("autoshard_runtime_masks_dropout(masks, ") == 7
+    assert code.count("autoshard_graph_ops_masks_dropout(masks, ") == 7
     assert "aten.dropout" not in code and "sharded_random" not in code
 
 

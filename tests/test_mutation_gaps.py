@@ -22,7 +22,7 @@ from gap_cases import (
 )
 
 import autoshard
-from autoshard.runtime import zero
+from autoshard.graph_ops import zero
 
 # mesh, plan: every strategy alone, and ZeRO-3 inside a TP mesh and across pipeline stages.
 STRATEGIES = {

@@ -68,7 +68,7 @@ def test_every_strategy_composes_offline(gpt2_case) -> None:
     tied = last.placements["lm_head.weight"]
     assert (str(tied["pp"]), str(tied["dp"]), str(tied["tp"])) == ("@0,1", "S(0)", "S(0)")
     assert str(program.placements["lm_head.weight"]) == "lm_head.weight (64, 32): pp @0,1, dp S(0), tp S(0)"
-    assert "autoshard_runtime_zero_gather" in last.graph_code() and "pipeline_recv" in last.graph_code()
+    assert "autoshard_graph_ops_zero_gather" in last.graph_code() and "pipeline_recv" in last.graph_code()
     assert "tied across pipeline ranks [0, 1]" in program.explain()
 
 
@@ -78,8 +78,8 @@ def test_three_dimensional_program_offline(gpt2_case) -> None:
     assert view.coords == {"pp": 1, "dp": 1, "tp": 1}
     assert str(view.placements["transformer.h.1.attn.c_attn.weight"]["tp"]) == "S(1)x3"
     assert "transformer.h.0.attn.c_attn.weight" not in view.placements  # the other stage's
-    assert "autoshard_runtime_tp_all_reduce" in view.graph_code()
-    assert "autoshard_runtime_pipeline_recv" in view.graph_code()
+    assert "autoshard_graph_ops_tp_all_reduce" in view.graph_code()
+    assert "autoshard_graph_ops_pipeline_recv" in view.graph_code()
 
 
 def test_plan_that_contradicts_the_mesh(gpt2_case) -> None:

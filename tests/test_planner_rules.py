@@ -19,11 +19,12 @@ from autoshard.demo import next_token_loss
 from autoshard.ir.cost import summarize
 from autoshard.ir.meta import ZERO_GROUP, evaluate_expr
 from autoshard.planner import choose_plan, default_microbatches
-from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing, _Stage
+from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing
 from autoshard.planner.hardware import Hardware
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
 from autoshard.planner.simulate import simulate, simulate_shared
+from autoshard.planner.stages import Stage as _Stage
 from autoshard.spec.plan import Plan
 from autoshard.spec.schedules import build_schedule
 

@@ -18,8 +18,8 @@ from torch import fx, nn
 from autoshard import passes
 from autoshard.ir.meta import BIAS_AFTER_REDUCE, BIAS_SPLIT
 from autoshard.ir.placements import Partial, Replicate, Shard
-from autoshard.sharding.compute import matmul_dims
-from autoshard.sharding.rules import RULES, Decision, RuleInput
+from autoshard.sharding import RULES, Decision, RuleInput
+from autoshard.sharding.matmul import matmul_dims
 
 R, P, S = Replicate(), Partial(), Shard
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import autoshard
 from autoshard.ir.placements import Shard
-from autoshard.sharding.rules import view_groups
+from autoshard.sharding.views import view_groups
 
 B, S = sympy.Symbol("B", integer=True, positive=True), sympy.Symbol("S", integer=True, positive=True)
 

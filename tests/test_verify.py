@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss, successor_batch
+from autoshard.graph_ops import tp as tp_ops
 from autoshard.inspection.verify import Reference, check
 from autoshard.ir.meta import PIPE, TP_COMM
-from autoshard.runtime import tp as tp_ops
 
 
 def _skip_all_reduce(tp, x):  # a dropped all-reduce: each rank keeps its partial sum

@@ -104,9 +104,9 @@ def test_communication_volume(gpt2_runs) -> None:
 
 def test_zero3_graph_gathers_and_frees_each_layer(gpt2_runs) -> None:
     code = gpt2_runs[3][0]["graph"]
-    gathers = re.findall(r"autoshard_runtime_zero_gather\(zero3, (\d+)\)", code)
+    gathers = re.findall(r"autoshard_graph_ops_zero_gather\(zero3, (\d+)\)", code)
     assert gathers == [str(g) for g in range(len(gathers))] and len(gathers) >= 4  # one per layer, in order
-    frees = re.findall(r"autoshard_runtime_zero_mark\(\w+, zero3, (\d+), True\)", code)
+    frees = re.findall(r"autoshard_graph_ops_zero_mark\(\w+, zero3, (\d+), True\)", code)
     assert sorted(frees, key=int) == gathers  # each group freed once, after its last use
 
 

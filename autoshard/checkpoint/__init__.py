@@ -22,20 +22,28 @@ import os
 import shutil
 import time
 import warnings
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autoshard.checkpoint.chunks import Pieces, PiecesLoadPlanner, PiecesSavePlanner, SafeReader, TpSlice, pieces
+from autoshard.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner, SafeReader
+from autoshard.checkpoint.regions import (
+    Region,
+    as_pieces,
+    master_regions,
+    model_regions,
+    optimizer_params,
+    optimizer_regions,
+)
 from autoshard.errors import InputError
-from autoshard.ir.placements import Shard
 from autoshard.runtime.optim import IMPLEMENTATION_FLAGS
+
+if TYPE_CHECKING:
+    from autoshard.runtime.rank import RankRuntime
 
 __all__ = ["latest_checkpoint", "load", "resume", "save", "save_full"]
 
@@ -43,132 +51,7 @@ INFO = "autoshard.json"
 FORMAT = 1
 
 
-@dataclass
-class Region:
-    """Local flat elements ``[start, end)`` of one key's tensor (tp slice of ``local_shape``), held in
-    the 1-D ``storage``."""
-
-    fqn: str
-    full_shape: tuple[int, ...]
-    storage: torch.Tensor
-    local_shape: tuple[int, ...]
-    start: int
-    end: int
-    tp: TpSlice | None
-
-
-def _tp_slice(rt: Any, key: str) -> TpSlice | None:
-    tp = rt.compiled.placements[key].tp
-    return TpSlice(tp, rt.tp.rank, rt.tp.degree) if isinstance(tp, Shard) and rt.tp is not None else None
-
-
-def _whole(rt: Any, fqn: str, key: str, tensor: torch.Tensor) -> Region:
-    full = tuple(rt.compiled.placements[key].shape)
-    return Region(fqn, full, tensor.detach().view(-1), tuple(tensor.shape), 0, tensor.numel(), _tp_slice(rt, key))
-
-
-def _in_flat(rt: Any, fqn: str, key: str, shard: torch.Tensor, lo: int, offset: int, shape: tuple) -> Region | None:
-    """The part of a parameter (at ``offset`` in its flat group) inside a shard starting at ``lo``."""
-    numel = int(torch.Size(shape).numel())
-    a, b = max(offset, lo), min(offset + numel, lo + shard.numel())
-    if a >= b:
-        return None
-    full = tuple(rt.compiled.placements[key].shape)
-    storage = shard.detach().view(-1)[a - lo : b - lo]
-    return Region(fqn, full, storage, tuple(shape), a - offset, b - offset, _tp_slice(rt, key))
-
-
-def _canonical_keys(rt: Any) -> dict[int, str]:
-    """The first held key of each tensor (a tied weight has several)."""
-    out: dict[int, str] = {}
-    for key, tensor in rt.tensors.items():
-        if rt.compiled.placements[key].held_on(rt.coords["pp"]):
-            out.setdefault(id(tensor), key)
-    return out
-
-
-def _model_regions(rt: Any, source: dict[str, str] | None = None) -> list[Region]:
-    """``model.<key>`` for every held key (``source`` renames a key's fqn, e.g. to its master)."""
-    regions: list[Region] = []
-    flat_of = {}
-    if rt.plan.zero == 3:
-        for g, layout in rt.holder.layouts.items():
-            for param, offset, shape in zip(layout.params, layout.offsets, layout.shapes):
-                flat_of[id(param)] = (rt.holder.runtime.shards[g], layout.lo, offset, shape)
-    for key, tensor in rt.tensors.items():
-        if not rt.compiled.placements[key].held_on(rt.coords["pp"]):
-            continue
-        fqn = (source or {}).get(key, f"model.{key}")
-        if id(tensor) in flat_of:
-            region = _in_flat(rt, fqn, key, *flat_of[id(tensor)])
-            regions += [region] if region is not None else []
-        else:
-            regions.append(_whole(rt, fqn, key, tensor))
-    return regions
-
-
-def _master_regions(rt: Any, prefix: str | dict[str, str] = "master") -> list[Region]:
-    masters, keys, regions = rt.holder.masters, _canonical_keys(rt), []
-    if masters is None or not masters.separate:
-        return []
-    for g, master in masters.tensors.items():
-        layout = rt.holder.layouts[g]
-        for param, offset, shape in zip(layout.params, layout.offsets, layout.shapes):
-            key = keys[id(param)]
-            fqn = prefix.get(key, f"model.{key}") if isinstance(prefix, dict) else f"{prefix}.{key}"
-            region = _in_flat(rt, fqn, key, master, layout.lo, offset, shape)
-            regions += [region] if region is not None else []
-    return regions
-
-
-def _optimizer_params(rt: Any) -> list[tuple[torch.Tensor, list[tuple[str, int, tuple, int]]]]:
-    """Each tensor the optimizer steps, with the (key, offset in it, local shape, flat group lo) of
-    every parameter it covers (the parameter itself, or the params of a flat master shard)."""
-    keys, out = _canonical_keys(rt), []
-    masters = rt.holder.masters
-    if masters is None:
-        for group in rt.optimizer.param_groups:
-            out += [(p, [(keys[id(p)], 0, tuple(p.shape), 0)]) for p in group["params"] if id(p) in keys]
-        return out
-    for g, master in masters.tensors.items():
-        layout = rt.holder.layouts[g]
-        params = zip(layout.params, layout.offsets, layout.shapes)
-        covered = [(keys[id(p)], o, tuple(s), layout.lo) for p, o, s in params]
-        out.append((master, covered))
-    return out
-
-
-def _optimizer_regions(rt: Any, states: dict[int, dict[str, torch.Tensor]]) -> list[Region]:
-    regions: list[Region] = []
-    for opt_param, covered in _optimizer_params(rt):
-        for name, value in states.get(id(opt_param), {}).items():
-            if not isinstance(value, torch.Tensor) or (value.dim() and value.shape != opt_param.shape):
-                raise InputError(
-                    f"optimizer state {name!r} of {covered[0][0]} is a {type(value).__name__} of shape "
-                    f"{getattr(value, 'shape', None)}: checkpoints hold per-element or scalar tensor state"
-                )
-            for key, offset, shape, lo in covered:
-                fqn = f"optim.{key}.{name}"
-                if value.dim() == 0:
-                    regions.append(Region(fqn, (), value.view(-1), (), 0, 1, None))
-                elif rt.holder.masters is None:
-                    regions.append(_whole(rt, fqn, key, value))
-                else:
-                    region = _in_flat(rt, fqn, key, value, lo, offset, shape)
-                    regions += [region] if region is not None else []
-    return regions
-
-
-def _as_pieces(regions: list[Region]) -> dict[str, Pieces]:
-    by_fqn: dict[str, list] = defaultdict(list)
-    dtypes = {}
-    for r in regions:
-        by_fqn[r.fqn] += pieces(r.storage, r.local_shape, r.start, r.end, r.tp, r.full_shape)
-        dtypes[r.fqn] = (r.full_shape, r.storage.dtype)
-    return {fqn: Pieces(dtypes[fqn][0], dtypes[fqn][1], chunks) for fqn, chunks in by_fqn.items()}
-
-
-def _rng_state(rt: Any) -> dict[str, torch.Tensor]:
+def _rng_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
     out = {f"rng.{rt.rank}.cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
         out[f"rng.{rt.rank}.cuda"] = torch.cuda.get_rng_state(rt.device)
@@ -179,7 +62,7 @@ def _rng_state(rt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _mesh_of(rt: Any) -> dict[str, int]:
+def _mesh_of(rt: RankRuntime) -> dict[str, int]:
     return {"dp": rt.mesh.dp, "tp": rt.mesh.tp, "pp": rt.mesh.pp}
 
 
@@ -191,7 +74,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _agree(rt: Any, message: str | None) -> None:
+def _agree(rt: RankRuntime, message: str | None) -> None:
     """Raise the first rank's complaint on every rank (so that no rank starts a collective alone)."""
     box = [message]
     if dist.is_initialized():
@@ -202,7 +85,7 @@ def _agree(rt: Any, message: str | None) -> None:
         raise InputError(box[0])
 
 
-def save(rt: Any, path: str | os.PathLike, extra: dict | None = None) -> Path:
+def save(rt: RankRuntime, path: str | os.PathLike, extra: dict | None = None) -> Path:
     """Write this rank's shards, its random state and (rank 0) the info file; atomic. A collective."""
     path = Path(path)
     try:
@@ -223,10 +106,10 @@ def save(rt: Any, path: str | os.PathLike, extra: dict | None = None) -> Path:
         except OSError as error:
             problem = f"cannot write a checkpoint at {path}: {error}"
     _agree(rt, problem)
-    regions = _model_regions(rt) + _master_regions(rt)
+    regions = model_regions(rt) + master_regions(rt)
     if rt.optimizer is not None:
-        regions += _optimizer_regions(rt, {id(p): s for p, s in rt.optimizer.state.items()})
-    state: dict[str, Any] = {**_as_pieces(regions), **_rng_state(rt)}
+        regions += optimizer_regions(rt, {id(p): s for p, s in rt.optimizer.state.items()})
+    state: dict[str, Any] = {**as_pieces(regions), **_rng_state(rt)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=PiecesSavePlanner(),
              process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
     if rt.rank == 0:
@@ -268,7 +151,7 @@ def read_info(path: str | os.PathLike) -> tuple[dict, Any]:
     return info, metadata
 
 
-def _check_model_keys(rt: Any, stored: dict[str, Any]) -> None:
+def _check_model_keys(rt: RankRuntime, stored: dict[str, Any]) -> None:
     placements = rt.compiled.placements
     model_keys = {fqn.removeprefix("model.") for fqn in stored if fqn.startswith("model.")}
     missing, unexpected = sorted(set(placements) - model_keys), sorted(model_keys - set(placements))
@@ -284,14 +167,16 @@ def _check_model_keys(rt: Any, stored: dict[str, Any]) -> None:
                 raise InputError(f"{key}: shape {got} in the checkpoint, {want} in the model")
 
 
-def _load_into_new_buffers(rt: Any, path: Path, regions: list[Region], plain: dict[str, torch.Tensor]) -> list[tuple]:
+def _load_into_new_buffers(
+    rt: RankRuntime, path: Path, regions: list[Region], plain: dict[str, torch.Tensor]
+) -> list[tuple]:
     """Read ``regions`` and ``plain`` tensors from the checkpoint into new buffers; (live, new) pairs."""
     pairs, shadow = [], []
     for region in regions:
         new = torch.empty_like(region.storage)
         pairs.append((region.storage, new))
         shadow.append(dataclasses.replace(region, storage=new))
-    state: dict[str, Any] = {**_as_pieces(shadow), **plain}
+    state: dict[str, Any] = {**as_pieces(shadow), **plain}
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=PiecesLoadPlanner(),
                  process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
@@ -300,7 +185,7 @@ def _load_into_new_buffers(rt: Any, path: Path, regions: list[Region], plain: di
     return pairs
 
 
-def load(rt: Any, path: str | os.PathLike) -> dict | None:
+def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
     """Restore what ``save`` wrote, resharded to this program's plan; returns the saved ``extra``."""
     path = Path(path)
     info, metadata = read_info(path)
@@ -308,7 +193,7 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
     _check_model_keys(rt, stored)
     # Parameters take the most precise stored value: the fp32 master where one was saved.
     source = {k: f"master.{k}" for k in rt.tensors if f"master.{k}" in stored}
-    regions = _model_regions(rt, source)
+    regions = model_regions(rt, source)
     states: dict[int, dict[str, torch.Tensor]] = {}
     if rt.optimizer is not None:
         groups = info["param_groups"]
@@ -320,7 +205,7 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
         # torch's rule for scalar state (the step count): on the host, except for fused or capturable kernels
         kernels_on_device = [g for g in rt.optimizer.param_groups if g.get("fused") or g.get("capturable")]
         on_device = {id(p) for g in kernels_on_device for p in g["params"]}
-        for opt_param, covered in _optimizer_params(rt):
+        for opt_param, covered in optimizer_params(rt):
             prefix = f"optim.{covered[0][0]}."
             names = [f.removeprefix(prefix) for f in stored if f.startswith(prefix) and "." not in f[len(prefix) :]]
             scalar_device = opt_param.device if id(opt_param) in on_device else torch.device("cpu")
@@ -332,7 +217,7 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
                 )
                 for name in names
             }
-        regions += _optimizer_regions(rt, states)
+        regions += optimizer_regions(rt, states)
     same_mesh = info["world_size"] == rt.mesh.size and info["mesh"] == _mesh_of(rt)
     mine = f"rng.{rt.rank}."
     rng = {  # every generator this rank saved, including streams this program has not drawn from yet
@@ -344,14 +229,14 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
     pairs = _load_into_new_buffers(rt, path, regions, rng)
     master_pairs = []
     if rt.holder.masters is not None and rt.holder.masters.separate:
-        master_pairs = _load_into_new_buffers(rt, path, _master_regions(rt, source), {})
+        master_pairs = _load_into_new_buffers(rt, path, master_regions(rt, source), {})
     # Everything read: now change the program's state.
     with torch.no_grad():
         for live, new in pairs + master_pairs:
             if live.data_ptr() != new.data_ptr():
                 live.copy_(new)
     if rt.optimizer is not None:
-        by_id = {id(p): p for p, _ in _optimizer_params(rt)}
+        by_id = {id(p): p for p, _ in optimizer_params(rt)}
         for pid, state in states.items():
             if state:
                 rt.optimizer.state[by_id[pid]] = state
@@ -366,7 +251,7 @@ def load(rt: Any, path: str | os.PathLike) -> dict | None:
     return info["extra"]
 
 
-def _restore_rng(rt: Any, rng: dict[str, torch.Tensor], same_mesh: bool, info: dict) -> None:
+def _restore_rng(rt: RankRuntime, rng: dict[str, torch.Tensor], same_mesh: bool, info: dict) -> None:
     if not same_mesh:
         warnings.warn(
             f"random state not restored: saved on mesh {info['mesh']}, loading on {_mesh_of(rt)}; dropout "
@@ -401,7 +286,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return max(found)[2] if found else None
 
 
-def resume(rt: Any, directory: str | os.PathLike) -> Path | None:
+def resume(rt: RankRuntime, directory: str | os.PathLike) -> Path | None:
     """Load the newest complete checkpoint under ``directory`` if there is one (rank 0 looks, so every
     rank loads the same one even while another job writes there); the path loaded, or None."""
     found = [str(latest_checkpoint(directory) or "")] if rt.rank == 0 else [None]
@@ -413,7 +298,7 @@ def resume(rt: Any, directory: str | os.PathLike) -> Path | None:
     return Path(found[0])
 
 
-def save_full(rt: Any, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
+def save_full(rt: RankRuntime, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
     """One safetensors file of the consolidated model (rank 0 writes it; a collective). With fp32
     masters (bf16 parameters), the masters unless ``masters=False``."""
     from safetensors.torch import save_file

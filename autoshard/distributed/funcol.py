@@ -1,6 +1,6 @@
 """Functional collectives over a process group's name: the form both eager autograd and torch.compile run.
 
-The graph ops of tensor parallelism (runtime/tp.py) call these inside their autograd functions, so
+The graph ops of tensor parallelism (graph_ops/tp.py) call these inside their autograd functions, so
 an eager step and a step compiled by torch.compile issue the same ``torch.ops._c10d_functional``
 collectives (every one followed by its ``wait_tensor``; inductor may move the wait later). They are
 out of place, take plain arguments (a group name, its size) that dynamo treats as constants, and

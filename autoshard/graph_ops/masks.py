@@ -16,7 +16,7 @@ slice it and a recomputed region replays it exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from torch import nn
 from autoshard.errors import DistributedError
 from autoshard.ir.meta import MaskSpec, evaluate_expr
 from autoshard.ir.ops import WRAPPERS
+
+if TYPE_CHECKING:
+    from autoshard.spec.mesh import Mesh
 
 __all__ = ["SingleDeviceMasks", "UnboundMasks", "dropout"]
 
@@ -40,7 +43,7 @@ class UnboundMasks(nn.Module):
 class SingleDeviceMasks(nn.Module):
     """This rank's view of the single-device random sequence of one step's dropout masks."""
 
-    def __init__(self, specs: Sequence[MaskSpec], state: torch.Tensor, coords: dict[str, int], mesh: Any) -> None:
+    def __init__(self, specs: Sequence[MaskSpec], state: torch.Tensor, coords: dict[str, int], mesh: Mesh) -> None:
         super().__init__()
         self.specs = tuple(specs)
         self.state = state  # the shared generator state (CPU ByteTensor, or a CUDA generator's state)

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.graph_ops.graph_break import stays_eager
-from autoshard.runtime.tp import UnboundTensorParallel
-from autoshard.runtime.zero import Zero3Runtime
+from autoshard.graph_ops.tp import UnboundTensorParallel
+
+if TYPE_CHECKING:
+    from autoshard.runtime.zero import Zero3Runtime
 
 __all__ = ["region"]
 

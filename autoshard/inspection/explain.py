@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import LAYER, MODEL_PREFIX, get_layer
 from autoshard.ir.placements import OnStages, Shard
 from autoshard.passes import tp_rewrite
 from autoshard.passes.infra import all_nodes
-from autoshard.runtime import tp as tp_ops
+
+if TYPE_CHECKING:
+    from autoshard.ir.placements import ParamPlacement
+    from autoshard.program import Program
 
 __all__ = ["explain", "fmt_count"]
 
@@ -20,7 +24,7 @@ def fmt_count(value: int) -> str:
     return str(value)
 
 
-def explain(program: Any) -> str:
+def explain(program: Program) -> str:
     report, cost = program.plan_report, program.cost
     sizes = report.sizes
     size_str = ", ".join(f"{k}={v}" for k, v in sizes.items())
@@ -69,7 +73,7 @@ def explain(program: Any) -> str:
     return "\n".join(lines)
 
 
-def _torch_compile(program: Any) -> list[str]:
+def _torch_compile(program: Program) -> list[str]:
     """How the rank graphs run: eagerly, or compiled (what each compiled graph communicates, the time it took)."""
     request = program.compiled.torch_compile
     if request is None:
@@ -88,7 +92,7 @@ def _torch_compile(program: Any) -> list[str]:
     return lines
 
 
-def _saved_for_backward(program: Any) -> list[str]:
+def _saved_for_backward(program: Program) -> list[str]:
     """What autograd keeps per graph call, by layer and category, at the example's rows per call."""
     plan, sizes = program.plan, dict(program.plan_report.sizes)
     rows = sizes["B"] // plan.dp // plan.microbatches
@@ -114,7 +118,7 @@ def _saved_for_backward(program: Any) -> list[str]:
     return lines
 
 
-def _placements(program: Any) -> list[str]:
+def _placements(program: Program) -> list[str]:
     """How many tensors (and bytes) lie which way along each mesh dimension."""
     counts: dict[str, int] = {}
     for placement in program.placements.values():
@@ -130,11 +134,11 @@ def _placements(program: Any) -> list[str]:
     return lines
 
 
-def _notable(placement: Any) -> bool:
+def _notable(placement: ParamPlacement) -> bool:
     return isinstance(placement, Shard) or isinstance(placement, OnStages)
 
 
-def _stages(program: Any) -> list[str]:
+def _stages(program: Program) -> list[str]:
     schedule = program.schedule
     lines = ["pipeline stages:"]
     for stage in program.compiled.stages:
@@ -150,7 +154,7 @@ def _stages(program: Any) -> list[str]:
     return lines
 
 
-def _tensor_parallel(program: Any) -> list[str]:
+def _tensor_parallel(program: Program) -> list[str]:
     report, gm = program.tp_report, program.captured_graph
     lines = [f"tensor parallel (tp={report.degree}):"]
     for target, placement in report.weights.items():

@@ -118,11 +118,11 @@ def graph_code(code: str, limit: int = 4000) -> str:
     out = []
     for line in lines[:limit]:
         text = esc(line)
-        if "autoshard_runtime_tp_" in line and "tp_vocab_parallel" not in line or "all_reduce" in line:
+        if "autoshard_graph_ops_tp_" in line and "tp_vocab_parallel" not in line or "all_reduce" in line:
             text = f'<span class="tp">{text}</span>'
-        elif "autoshard_runtime_pipeline_send" in line or "autoshard_runtime_pipeline_recv" in line:
+        elif "autoshard_graph_ops_pipeline_send" in line or "autoshard_graph_ops_pipeline_recv" in line:
             text = f'<span class="pp">{text}</span>'
-        elif "autoshard_runtime_zero_gather" in line or "autoshard_runtime_zero_mark" in line:
+        elif "autoshard_graph_ops_zero_gather" in line or "autoshard_graph_ops_zero_mark" in line:
             text = f'<span class="zero">{text}</span>'
         out.append(text)
     more = f"\n... {len(lines) - limit} more lines" if len(lines) > limit else ""

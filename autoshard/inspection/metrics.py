@@ -16,7 +16,7 @@ import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -24,6 +24,9 @@ import torch
 from autoshard.distributed import tracing
 from autoshard.errors import InputError
 from autoshard.ir.meta import evaluate_expr
+
+if TYPE_CHECKING:
+    from autoshard.program import Program
 
 __all__ = ["Monitor", "StepMetrics", "trace_path"]
 
@@ -89,7 +92,7 @@ def trace_path(path: str | os.PathLike, rank: int, world: int) -> Path:
 class Monitor:
     """Measures each step of a Program's runtime; records a profile while asked to."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: Program) -> None:
         self.program = program
         self.last: StepMetrics | None = None
         self.history: list[StepMetrics] = []  # the last few steps (the report's measured timeline reads them)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoshard.graph_ops import zero
 from autoshard.ir.meta import PIPE, TP_COMM, ZERO3
-from autoshard.ir.placements import Partial, Shard
-from autoshard.runtime import zero
+from autoshard.ir.placements import Partial, Placement, Shard
 
 __all__ = ["Recorder", "join_over_tp", "max_error", "module_path", "op_name", "origin", "placement_str", "send_of"]
 
@@ -106,7 +106,7 @@ def op_name(node: fx.Node) -> str:
 
 
 # ---- joining a node's values over the tp group ---------------------------------------------------------
-def join_over_tp(values: list[Any], placement: Any) -> list[Any]:
+def join_over_tp(values: list[Any], placement: Placement) -> list[Any]:
     """Full values from the tp group's local ones: each rank's own where replicated, else one join."""
     if isinstance(placement, tuple):
         parts = [join_over_tp([v[i] for v in values], p) for i, p in enumerate(placement)]
@@ -136,7 +136,7 @@ def max_error(mine: Any, theirs: Any, atol: float, rtol: float) -> tuple[float, 
     return (0.0 if mine == theirs else float("inf")), atol
 
 
-def placement_str(placement: Any) -> str:
+def placement_str(placement: Placement | tuple[Placement, ...] | None) -> str:
     if placement is None:
         return "R"
     if isinstance(placement, tuple):

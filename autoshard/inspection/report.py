@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -20,10 +20,14 @@ from autoshard.inspection.explain import fmt_count
 from autoshard.inspection.html import esc, graph_code, memory_bars, page, table, timeline
 from autoshard.passes import tp_rewrite
 
+if TYPE_CHECKING:
+    from autoshard.planner.report import Candidate, PlanReport
+    from autoshard.program import Program
+
 __all__ = ["collect_measured", "render", "write_report"]
 
 
-def collect_measured(program: Any) -> list[dict[str, Any]]:
+def collect_measured(program: Program) -> list[dict[str, Any]]:
     """Every rank's last-step measurements (a collective under a process group; [] offline)."""
     if program.runtime is None:
         return []
@@ -42,7 +46,7 @@ def collect_measured(program: Any) -> list[dict[str, Any]]:
     return everyone
 
 
-def write_report(program: Any, path: str | os.PathLike) -> Path | None:
+def write_report(program: Program, path: str | os.PathLike) -> Path | None:
     measured = collect_measured(program)
     if program.rank != 0:
         return None
@@ -52,7 +56,7 @@ def write_report(program: Any, path: str | os.PathLike) -> Path | None:
     return out
 
 
-def render(program: Any, measured: list[dict[str, Any]]) -> str:
+def render(program: Program, measured: list[dict[str, Any]]) -> str:
     report = program.plan_report
     chosen = report.chosen
     name = program.compiled.captured.model_name
@@ -69,7 +73,7 @@ def render(program: Any, measured: list[dict[str, Any]]) -> str:
     return page(f"autoshard report: {name} on {program.mesh}", sections)
 
 
-def _plan(program: Any) -> str:
+def _plan(program: Program) -> str:
     report, chosen = program.plan_report, program.plan_report.chosen
     sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
     rows = [
@@ -89,7 +93,7 @@ def _plan(program: Any) -> str:
     return f"<table>{cells}</table>"
 
 
-def _candidates(report: Any, top: int = 12) -> str:
+def _candidates(report: PlanReport, top: int = 12) -> str:
     rows = [
         [str(c.plan), f"{c.memory.total / 2**30:.3f}", f"{c.step_time * 1e3:.4g}", f"{c.tflops_per_device:.3g}",
          f"{c.mfu:.1%}", "yes" if c.fits else "no", c.why]
@@ -101,7 +105,7 @@ def _candidates(report: Any, top: int = 12) -> str:
     return table(header, rows, numeric={1, 2, 3, 4}, marked=0) + note
 
 
-def _memory(program: Any, measured: list[dict[str, Any]]) -> str:
+def _memory(program: Program, measured: list[dict[str, Any]]) -> str:
     chosen = program.plan_report.chosen
     predicted = [("predicted (most loaded rank)", {k: v for k, v in chosen.memory.items() if v})]
     held = [(f"rank {m['rank']} measured", {k: v for k, v in m["memory"].items() if v}) for m in measured[:64]]
@@ -113,7 +117,7 @@ def _memory(program: Any, measured: list[dict[str, Any]]) -> str:
     return text
 
 
-def _timelines(program: Any, chosen: Any, measured: list[dict[str, Any]]) -> str:
+def _timelines(program: Program, chosen: Candidate, measured: list[dict[str, Any]]) -> str:
     schedule = program.schedule
     predicted = [(f"pp rank {p}", list(lane)) for p, lane in enumerate(chosen.timeline)]
     title = "predicted by the cost model"
@@ -145,7 +149,7 @@ def _throughput(measured: list[dict[str, Any]]) -> str:
     return table(header, rows, numeric=set(range(9)))
 
 
-def _layers(program: Any) -> str:
+def _layers(program: Program) -> str:
     cost, sizes = program.cost, program.plan_report.sizes
     ev = cost.evaluate(**{k: v for k, v in sizes.items() if k in cost.symbols})
     comm: dict[str, dict[str, int]] = {}
@@ -161,7 +165,7 @@ def _layers(program: Any) -> str:
     return total + table(header, rows, numeric={1, 2, 3, 4})
 
 
-def _graphs(program: Any) -> str:
+def _graphs(program: Program) -> str:
     legend = ('<p><span class="tp">collectives</span> · <span class="pp">sends and receives</span> · '
               '<span class="zero">ZeRO gathers</span></p>')  # fmt: skip
     parts = []

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard.capture import capture
+from autoshard.capture.call import CallSpec
 from autoshard.inspection.node_values import (
     Recorder,
     join_over_tp,
@@ -43,6 +44,11 @@ from autoshard.inspection.node_values import (
 )
 from autoshard.ir.meta import MODEL_PREFIX, PIPE, TP
 from autoshard.runtime.pipeline import split_microbatches
+
+if TYPE_CHECKING:
+    from autoshard.program import Program
+    from autoshard.spec.mesh import Mesh
+    from autoshard.spec.plan import Plan
 
 __all__ = ["NodeCheck", "Reference", "VerifyReport", "check", "verify"]
 
@@ -126,7 +132,7 @@ class Reference:
 
     gm: fx.GraphModule
     model: nn.Module
-    call: Any  # capture.CallSpec
+    call: CallSpec
     optimizer: Any  # the optimizer factory both sides step with
     nodes: dict[str, fx.Node] = field(default_factory=dict)
     by_target: dict[str, str] = field(default_factory=dict)  # get_attr target -> node name
@@ -147,7 +153,7 @@ class Reference:
         return self.optimizer(self.model.parameters())
 
 
-def structure_problems(program: Any) -> list[NodeCheck]:
+def structure_problems(program: Program) -> list[NodeCheck]:
     """Receives with no matching send on the previous stage (a pipeline that would wait forever)."""
     problems = []
     stages = {s.stage: s.gm for s in program.compiled.stages}
@@ -169,7 +175,7 @@ def _slices(flat: list[torch.Tensor], shapes: list[Any], parts: int) -> list[lis
     return split_microbatches(flat, shapes, parts)[0] if parts > 1 else [flat]
 
 
-def check(program: Any, reference: Reference, inputs: tuple = (), kwargs: dict | None = None, target: Any = None,
+def check(program: Program, reference: Reference, inputs: tuple = (), kwargs: dict | None = None, target: Any = None,
           atol: float = 1e-5, rtol: float = 1e-4) -> VerifyReport:  # fmt: skip
     """One training step of ``program`` on the global batch against ``reference``; call on every rank
     (the reference's model must be the model as it was before compile, with the same optimizer)."""
@@ -226,7 +232,7 @@ def _reference_values(reference: Reference, rows: list[torch.Tensor]) -> dict[st
     return {name: values[0] for name, values in sink.items()}
 
 
-def _compare(program: Any, reference: Reference, flat: list[torch.Tensor], shapes: list[Any], gathered: list[Any],
+def _compare(program: Program, reference: Reference, flat: list[torch.Tensor], shapes: list[Any], gathered: list[Any],
              loss: float, state: dict[str, torch.Tensor], atol: float, rtol: float) -> VerifyReport:  # fmt: skip
     plan, mesh, schedule = program.plan, program.mesh, program.schedule
     stages = {s.stage: s.gm for s in program.compiled.stages} or {0: program.compiled.captured.gm}
@@ -274,7 +280,7 @@ def _compare(program: Any, reference: Reference, flat: list[torch.Tensor], shape
     return _finish(program, reference, checks, flat, loss, state, atol, rtol, skipped)
 
 
-def _finish(program: Any, reference: Reference, checks: list[NodeCheck], flat: list[torch.Tensor], loss: float,
+def _finish(program: Program, reference: Reference, checks: list[NodeCheck], flat: list[torch.Tensor], loss: float,
             state: dict[str, torch.Tensor], atol: float, rtol: float, skipped: int) -> VerifyReport:  # fmt: skip
     """The reference's own step on the global batch: the loss, then every parameter after the step."""
     ref_loss = reference.gm(*flat)[0]
@@ -295,9 +301,10 @@ def sgd_lr1(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1.0)
 
 
-def verify(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dict | None = None, *,
-           loss_fn: Any = None, example_target: Any = None, optimizer: Any = None, plan: Any = "auto",
-           atol: float = 1e-5, rtol: float = 1e-4, ranks: Any = None) -> VerifyReport:  # fmt: skip
+def verify(model: nn.Module, mesh: Mesh | int, example_inputs: Any, example_kwargs: dict | None = None, *,
+           loss_fn: Any = None, example_target: Any = None, optimizer: Any = None,
+           plan: str | Plan | dict[str, Any] = "auto", atol: float = 1e-5, rtol: float = 1e-4,
+           ranks: Any = None) -> VerifyReport:  # fmt: skip
     """Compile ``model`` for ``mesh`` and compare one training step, node by node, with single-device training
     on the same global batch (``example_inputs``, ``example_kwargs``, ``example_target``).
 
@@ -321,8 +328,8 @@ def verify(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dic
         return pool.run(_verify_rank, *args)[0]
 
 
-def _verify_rank(rank: int, world: int, model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: Any,
-                 loss_fn: Any, example_target: Any, optimizer: Any, plan: Any, atol: float,
+def _verify_rank(rank: int, world: int, model: nn.Module, mesh: Mesh | int, example_inputs: Any, example_kwargs: Any,
+                 loss_fn: Any, example_target: Any, optimizer: Any, plan: str | Plan | dict[str, Any], atol: float,
                  rtol: float) -> VerifyReport:  # fmt: skip
     from autoshard.compiler import compile
 

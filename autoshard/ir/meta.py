@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from autoshard.errors import MissingMetaError
+from autoshard.ir.placements import Shard
 
 __all__ = [
     "MASK",
@@ -83,7 +84,7 @@ MODEL_PREFIX = MODEL_ATTR + "."
 ) = (
     "autoshard.shape",
     "autoshard.layer",
-    "autoshard.ir.cost",
+    "autoshard.cost",
     "autoshard.grad_bucket",
     "autoshard.zero_group",
     "autoshard.zero3",
@@ -240,7 +241,7 @@ class MaskSpec:
     p: float
     sizes: tuple[sympy.Expr, ...]
     batch_dim: int | None
-    tp: Any = None
+    tp: Shard | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The ATen op sets that passes and the runtime share, kept in one place.
 
-Sharding rules have their own registry (autoshard.sharding.rules); everything else that asks "is
+Sharding rules have their own registry (autoshard.sharding); everything else that asks "is
 this op a view", "does it draw random numbers" or "does it behave differently in training" reads
 the sets here.
 """

@@ -1,21 +1,36 @@
-"""``autoshard.plan(...)``: capture and analyse a model, then rank every plan for a world size."""
+"""``autoshard.plan(...)``: capture and analyse a model, then rank every plan for a world size.
+
+``analyse_for_planning`` is the part ``compile`` shares: capture, the analysis passes, the profile,
+and the search.
+"""
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard.errors import InputError
+from autoshard import passes
+from autoshard.capture import Captured, capture
+from autoshard.capture.cast import cast_model
+from autoshard.errors import InputError, PlanError
+from autoshard.ir.cost import ModelCost, summarize
+from autoshard.ir.meta import evaluate_expr
+from autoshard.planner.costing import Costing
 from autoshard.planner.hardware import Hardware
+from autoshard.planner.profile import profile_graph
 from autoshard.planner.report import PlanReport
-from autoshard.spec.mesh import Mesh
-from autoshard.spec.plan import is_mixed_precision
+from autoshard.planner.search import choose_plan
+from autoshard.spec.mesh import Mesh, resolve_mesh
+from autoshard.spec.plan import is_mixed_precision, resolve_plan
 
-__all__ = ["DEFAULT_HARDWARE", "plan", "planning_sizes"]
+__all__ = ["DEFAULT_HARDWARE", "analyse_for_planning", "plan", "planning_sizes"]
+
+log = logging.getLogger("autoshard")
 
 DEFAULT_HARDWARE = "a100-80gb"  # what a plan assumes when it is not told the hardware
 
@@ -50,8 +65,6 @@ def plan(
     fixed as in ``compile`` (``{"zero": 3}``, ``{"tp": 8, "recompute": "full"}``, ...). Nothing runs on
     any rank: a model on the meta device plans at full scale.
     """
-    from autoshard.compiler import analyse_for_planning, cast_to, resolve_mesh, resolve_plan
-
     resolved = resolve_mesh(world_size)
     overrides = resolve_plan(plan if plan is not None else "auto")
     if is_mixed_precision(overrides.get("param_dtype")):
@@ -59,7 +72,7 @@ def plan(
         # real weights is copied (compile converts the model itself, planning leaves it as it is).
         on_meta = all(p.is_meta for p in model.parameters())
         model = model if on_meta else copy.deepcopy(model)
-        model, example_inputs, example_kwargs, example_target = cast_to(
+        model, example_inputs, example_kwargs, example_target = cast_model(
             overrides["param_dtype"], model, example_inputs, example_kwargs, example_target
         )
     report, *_ = analyse_for_planning(
@@ -67,3 +80,46 @@ def plan(
         hardware or Hardware.preset(DEFAULT_HARDWARE), global_batch_size,
     )  # fmt: skip
     return report
+
+
+def analyse_for_planning(
+    model: nn.Module, resolved: int | Mesh, overrides: dict[str, Any], example_inputs: Any,
+    example_kwargs: dict[str, Any] | None, loss_fn: Any, example_target: Any, hardware: Hardware,
+    global_batch_size: int | None = None,
+) -> tuple[PlanReport, Captured, list[Any], ModelCost]:  # fmt: skip
+    """Capture, analyse and rank the plans (what compile and autoshard.plan share)."""
+    if not isinstance(hardware, Hardware):
+        raise InputError(
+            f"hardware must be an autoshard.Hardware (Hardware.preset('h100-80gb'), Hardware.measure()), "
+            f"got {type(hardware).__name__}"
+        )
+    captured = capture(model, example_inputs, example_kwargs, loss_fn, example_target)
+    gm, sizes = captured.gm, captured.example_sizes
+    log.info("captured %s", captured)
+    results = passes.analyze(gm, captured.rename)
+    cost = summarize(gm)
+    _refuse_data_dependent_sizes(captured.model_name, cost, sizes)
+    at = planning_sizes(sizes, global_batch_size)
+    model_flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, sizes))
+    profile = profile_graph(gm, sizes, hardware.kernels, model_flops)
+    report = choose_plan(resolved, overrides, Costing(profile, at, hardware), at, hardware)
+    return report, captured, results, cost
+
+
+def _refuse_data_dependent_sizes(model_name: str, cost: ModelCost, example_sizes: dict[str, int]) -> None:
+    """Sizes read from tensor values (``.tolist()``, ``.item()``, ``nonzero``) cannot be planned for."""
+    data_dependent = [s for s in cost.symbols if s not in example_sizes]
+    if not data_dependent:
+        return
+    layers = [
+        lc.name
+        for lc in cost.layers
+        if any(s.name in data_dependent for e in (lc.flops_fwd, lc.activation_bytes) for s in e.free_symbols)
+    ]
+    raise PlanError(
+        f"{model_name}'s cost depends on sizes known only from the data ({', '.join(data_dependent[:6])}"
+        f"{', ...' if len(data_dependent) > 6 else ''}: .tolist(), .item() or nonzero sizing tensors, in "
+        f"{', '.join(layers[:4]) or 'the graph'}); the planner sizes every tensor by the batch and sequence, "
+        f"so this version does not compile such models (e.g. MoE layers that route tokens by computed counts): "
+        f"compute fixed-size routing (every expert on every token, masked) to compile it"
+    )

@@ -16,20 +16,21 @@ layers, and the buckets being reduced.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 
-from autoshard.planner.hardware import Hardware
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
+from autoshard.planner.stages import Stage, balanced_starts, by_rank
 from autoshard.spec.plan import Plan, is_mixed_precision
 from autoshard.spec.schedules import Schedule
+
+if TYPE_CHECKING:
+    from autoshard.planner.hardware import Hardware
 
 __all__ = ["Costing"]
 
@@ -41,22 +42,6 @@ HOST_OP_OVERHEAD = 10e-6  # an eager kernel on the host (offload's optimizer ste
 # planner costs the optimizer torch gives by default).
 ADAM_PASSES, ADAM_KERNELS = 20, 8
 B = sympy.Symbol("B", integer=True, positive=True)
-
-
-@dataclass(frozen=True)
-class _Stage:
-    forward: float  # one microbatch
-    backward: float  # recomputation included
-    recompute: float
-    tp_comm: float
-    send: float  # its output to the next stage (and the gradient back)
-    params: int  # bytes one rank holds of this stage's parameters (tp shards)
-    elements: int
-    largest: int  # the largest part's parameters (a ZeRO-3 gather)
-    groups: int  # ZeRO-3 flat groups (one per layer): a gather in forward and backward, a reduce-scatter each
-    kept: float  # activation bytes one microbatch keeps
-    transient: float
-    partial_grads: int = 0  # bytes of replicated weights' gradients summed over tp once a step
 
 
 class Costing:
@@ -72,7 +57,7 @@ class Costing:
         self.model_flops = profile.model_flops * scale  # at the planning batch
         # The search costs thousands of plans that differ only in ZeRO stage, offload, bucket or schedule:
         # none of those changes a stage's kernels, so each stage layout is costed once.
-        self._stage_memo: dict[tuple, list[_Stage]] = {}
+        self._stage_memo: dict[tuple, list[Stage]] = {}
         self._recompute_memo: dict[tuple, float] = {}
 
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
@@ -95,7 +80,7 @@ class Costing:
         shared = schedule is not None and hw.shared_cores > 0  # ranks compute faster while others wait
         stages = self._stages(plan, micro, 1.0 if shared else hw.sharing(node))
 
-        def run(stages: list[_Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
+        def run(stages: list[Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
             if shared:
                 return simulate_shared(schedule, tuple(stages), hw.shared_cores, node // plan.pp, timeline)
             return simulate(schedule, tuple(stages), timeline)
@@ -124,7 +109,7 @@ class Costing:
             window = max(s.backward for s in stages)
             in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
-        partial = max(sum(s.partial_grads for s in group) for group in _by_rank(stages, plan.pp))
+        partial = max(sum(s.partial_grads for s in group) for group in by_rank(stages, plan.pp))
         if partial:  # summed over tp in one synchronous all-reduce a step, after backward (runtime/rank.py)
             tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
@@ -164,7 +149,7 @@ class Costing:
         if plan.pp_cuts is not None and len(plan.pp_cuts) == n - 1 and all(c in names for c in plan.pp_cuts):
             starts = [0, *(names.index(c) for c in plan.pp_cuts), len(blocks)]
         else:
-            starts = _balanced_starts(tuple(self._block_seconds(plan, micro)), n)
+            starts = balanced_starts(tuple(self._block_seconds(plan, micro)), n)
         return [self._with_ends(blocks[starts[i] : starts[i + 1]], i, n) for i in range(n)]
 
     def _with_ends(self, blocks: list[str], index: int, n: int) -> list[str]:
@@ -185,7 +170,7 @@ class Costing:
     def _part(self, name: str, plan: Plan) -> PartAtDegree:
         return self.profile.part(name, plan.tp, plan.sequence_parallel)
 
-    def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> list[_Stage]:
+    def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> list[Stage]:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
         # Everything _costed_stages reads of the plan.
         key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
@@ -195,7 +180,7 @@ class Costing:
             stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
         return list(stages)
 
-    def _costed_stages(self, plan: Plan, micro: int, slowdown: float) -> list[_Stage]:
+    def _costed_stages(self, plan: Plan, micro: int, slowdown: float) -> list[Stage]:
         hw, sizes, dtype = self.hardware, {**self.sizes, "B": micro}, self._dtype(plan)
         out = []
         cut_names = self._parts_per_stage(plan, micro)
@@ -238,16 +223,16 @@ class Costing:
             if plan.pp > 1 and names:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
-            out.append(_Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial))
+            out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial))
         return out
 
     def _data_parallel(
-        self, plan: Plan, stages: list[_Stage], window: float, compute: float, node: int
+        self, plan: Plan, stages: list[Stage], window: float, compute: float, node: int
     ) -> tuple[float, float, float, float]:
         """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic (``node``:
         the plan's ranks on one node)."""
         hw = self.hardware
-        per_rank = _by_rank(stages, plan.pp)
+        per_rank = by_rank(stages, plan.pp)
         params = max(sum(s.params for s in group) for group in per_rank)
         elements = max(sum(s.elements for s in group) for group in per_rank)
         itemsize = params / max(1, elements)
@@ -290,11 +275,11 @@ class Costing:
             optimizer = hw.sharing(node) * hw.memory_seconds(touched, kernels=ADAM_KERNELS)
         return dp_comm, zero3, optimizer, offload
 
-    def _memory(self, plan: Plan, stages: list[_Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
+    def _memory(self, plan: Plan, stages: list[Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
         """The most loaded rank's memory, and its activation bytes per row of the global batch."""
         best: tuple[int, ...] = ()
         most, per_row = -1, 0.0
-        for rank, group in enumerate(_by_rank(stages, plan.pp)):
+        for rank, group in enumerate(by_rank(stages, plan.pp)):
             params = sum(s.params for s in group)
             elements = sum(s.elements for s in group)
             weights, grads = params, params
@@ -365,41 +350,6 @@ def _exposed(hw: Hardware, op: str, seconds: float, window: float, nbytes: float
         return seconds
     last = seconds * min(1.0, bucket / nbytes) if nbytes else 0.0
     return max(seconds - hw.overlap * window, last)
-
-
-def _by_rank(stages: list[_Stage], pp: int) -> list[list[_Stage]]:
-    return [stages[r::pp] for r in range(pp)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
-    """Where each of ``n`` contiguous groups of blocks starts so the costliest group is cheapest."""
-    count = len(seconds)
-    if n >= count:
-        return [min(i, count) for i in range(n)] + [count]
-    lo, hi = max(seconds), sum(seconds)
-    for _ in range(40):
-        cap = (lo + hi) / 2
-        groups, acc = 1, 0.0
-        for s in seconds:
-            if acc + s > cap and acc > 0:
-                groups, acc = groups + 1, s
-            else:
-                acc += s
-        lo, hi = (cap, hi) if groups > n else (lo, cap)
-    starts, acc = [0], 0.0
-    for i, s in enumerate(seconds):
-        if acc + s > hi * (1 + 1e-9) and acc > 0 and len(starts) < n:
-            starts.append(i)
-            acc = s
-        else:
-            acc += s
-    while len(starts) < n:  # fewer groups than asked: split the last ones one block each
-        starts.append(starts[-1] + 1)
-    starts = sorted(set(min(s, count - (n - i)) for i, s in enumerate(starts)))
-    while len(starts) < n:
-        starts.append(starts[-1] + 1)
-    return [*starts, count]
 
 
 def _why(time: StepTime, memory: Memory, fits: bool, hw: Hardware) -> str:

@@ -30,37 +30,15 @@ from typing import Any
 import torch
 
 from autoshard.errors import InputError
+from autoshard.planner.links import COLLECTIVES, CollectiveFit, ring_factors
 
 __all__ = ["COLLECTIVES", "CollectiveFit", "Hardware", "ring_factors"]
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-
-
-def ring_factors(op: str, n: int) -> tuple[float, int]:
-    """(share of the tensor each rank moves, ring steps) of ``op`` over ``n`` ranks (NCCL-tests' bus factors)."""
-    return {
-        "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
-        "all_gather": ((n - 1) / n, n - 1),
-        "reduce_scatter": ((n - 1) / n, n - 1),
-        "send_recv": (1.0, 1),
-    }[op]
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str:
     if dtype is None:
         return "float32"
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class CollectiveFit:
-    """A measured alpha-beta fit of one collective over ``group_size`` ranks on one kind of link."""
-
-    op: str
-    scope: str  # "intra" (inside a node) or "inter"
-    group_size: int
-    bandwidth: float  # bus bytes/s
-    latency: float  # s per step of the ring
 
 
 @dataclass(frozen=True)
@@ -124,7 +102,9 @@ class Hardware:
             out *= d / (d + self.matmul_half_dim)
         return out
 
-    def matmul_seconds(self, flops: float, dims: tuple[float, ...], nbytes: float, dtype: Any = None) -> float:
+    def matmul_seconds(
+        self, flops: float, dims: tuple[float, ...], nbytes: float, dtype: torch.dtype | str | None = None
+    ) -> float:
         compute = flops / (self.peak(dtype) * self.efficiency(*dims)) if flops else 0.0
         moved = nbytes / self.memory_bandwidth
         if self.packs_operands:
@@ -196,13 +176,20 @@ class Hardware:
         return PRESETS[name]
 
     @classmethod
-    def measure(cls, group: Any = None, *, name: str | None = None, memory_bytes: int | None = None) -> Hardware:
+    def measure(
+        cls,
+        group: torch.distributed.ProcessGroup | None = None,
+        *,
+        name: str | None = None,
+        memory_bytes: int | None = None,
+    ) -> Hardware:
         """Calibrate the ranks of the current process group (call on every rank; every rank gets the same
         result): matmul throughput over a few shapes, memory bandwidth, kernel overhead, and the bandwidth
         and latency of every collective per group size. See autoshard/planner/calibrate.py."""
         from autoshard.planner.calibrate import measure
 
-        return measure(group, name=name, memory_bytes=memory_bytes)
+        base = PRESETS["h100-80gb" if torch.cuda.is_available() else "cpu"]
+        return measure(base, group, name=name, memory_bytes=memory_bytes)
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The figures as JSON (written to ``path`` too when given)."""

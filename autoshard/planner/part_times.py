@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
+import torch
 
 from autoshard.ir.meta import evaluate_expr
-from autoshard.planner.hardware import Hardware
+
+if TYPE_CHECKING:
+    from autoshard.planner.hardware import Hardware
 
 if TYPE_CHECKING:
     from autoshard.planner.profile import PartAtDegree
@@ -79,7 +82,7 @@ def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
     return float(evaluate_expr(expr, dict(sizes)))
 
 
-def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: Any) -> PartTimes:
+def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: torch.dtype) -> PartTimes:
     """One microbatch of ``part`` at ``sizes`` (B: its rows) on one rank of ``hw``, its tensors ``dtype``."""
     every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
     forward = backward = 0.0

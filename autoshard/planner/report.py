@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from autoshard.planner.hardware import Hardware
 from autoshard.spec.plan import Plan
+
+if TYPE_CHECKING:
+    from autoshard.planner.hardware import Hardware
 
 __all__ = ["BOTTLENECKS", "Candidate", "Memory", "PlanReport", "StepTime", "fmt_bytes"]
 

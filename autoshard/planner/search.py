@@ -10,21 +10,24 @@ shape and ZeRO stage, best first.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoshard.errors import PlanError
 from autoshard.planner.costing import Costing
-from autoshard.planner.hardware import Hardware
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, is_mixed_precision
+
+if TYPE_CHECKING:
+    from autoshard.planner.hardware import Hardware
+    from autoshard.spec.schedules import Schedule
 
 __all__ = ["choose_plan", "default_microbatches", "factorizations"]
 
 SIMPLER_WITHIN = 0.03  # prefer the simpler of two plans predicted this close (the model is not finer)
 
 
-def default_microbatches(local_rows: int, pp: int, schedule: Any) -> int:
+def default_microbatches(local_rows: int, pp: int, schedule: str | Schedule) -> int:
     """The most microbatches up to 4 x pp that divide a dp rank's rows (bubble (pp-1)/(m+pp-1) shrinks with m).
 
     Interleaved 1F1B needs a multiple of pp; when none divides the rows, pp itself (compile then says why).

@@ -2,7 +2,7 @@
 
 A thin facade: the plan and graphs come from the compiler (autoshard.compiler.Compiled); under a
 process group the rank's components live in ``runtime`` (autoshard.runtime.rank.RankRuntime), and
-state and checkpoints (program_state.py, runtime/state.py, checkpoint.py) and forward calls
+state and checkpoints (program/state.py, program/across_ranks.py, autoshard/checkpoint/) and forward calls
 (runtime/forward.py) live in their own modules.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,13 +26,16 @@ from autoshard.runtime.forward import ForwardRunner
 from autoshard.runtime.pipeline import PipelineStats
 from autoshard.runtime.rank import RankRuntime
 
+if TYPE_CHECKING:
+    from autoshard.compiler.compiled import Compiled
+
 __all__ = ["Program", "RankProgram"]  # RankProgram lives in autoshard/program/rank_view.py
 
 
 class Program(StateMethods):
     """This rank's compiled training program. Build one with ``autoshard.compile``."""
 
-    def __init__(self, compiled: Any, optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None) -> None:
+    def __init__(self, compiled: Compiled, optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None) -> None:
         self.compiled = compiled
         self.plan = compiled.plan
         self.mesh = compiled.plan.mesh

@@ -8,7 +8,7 @@ holds.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,10 +16,13 @@ import torch.distributed as dist
 from autoshard.errors import InputError
 from autoshard.ir.placements import OnStages, Shard
 
+if TYPE_CHECKING:
+    from autoshard.runtime.rank import RankRuntime
+
 __all__ = ["full_state", "load_full_state", "local_state"]
 
 
-def local_state(rt: Any) -> dict[str, torch.Tensor]:
+def local_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
     """This rank's tensors by key (tp slices as held); under ZeRO-3 its flat shards, then its buffers."""
     if rt.plan.zero == 3:
         shards = {f"zero3.shards.{g}": s.detach() for g, s in rt.holder.runtime.shards.items()}
@@ -28,11 +31,11 @@ def local_state(rt: Any) -> dict[str, torch.Tensor]:
     return {key: t.detach() for key, t in rt.tensors.items() if _held(rt, key)}
 
 
-def _held(rt: Any, key: str) -> bool:
+def _held(rt: RankRuntime, key: str) -> bool:
     return rt.compiled.placements[key].held_on(rt.coords["pp"])
 
 
-def full_state(rt: Any) -> dict[str, torch.Tensor]:
+def full_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
     """On rank 0: every key of the model's state dict, full shapes; elsewhere {}. A collective."""
     placements = rt.compiled.placements
     whole = rt.holder.full_values()  # whole along dp (ZeRO-3 gathers)
@@ -79,7 +82,7 @@ def check_full_state(placements: dict[str, Any], state_dict: dict[str, torch.Ten
             raise InputError(f"{key}: shape {got} in the state dict, {tuple(placement.shape)} in the model")
 
 
-def load_full_state(rt: Any, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state(rt: RankRuntime, state_dict: dict[str, torch.Tensor]) -> None:
     """Every rank keeps its share of a full state dict (the original model's keys and shapes)."""
     placements = rt.compiled.placements
     check_full_state(placements, state_dict)

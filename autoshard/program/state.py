@@ -1,5 +1,5 @@
 """Program's state and checkpoint methods (a mixin of autoshard.Program): state dicts, DCP checkpoints,
-resume, export. They delegate to runtime/state.py and checkpoint.py on this rank's runtime."""
+resume, export. They delegate to program/across_ranks.py and autoshard/checkpoint/ on this rank's runtime."""
 
 from __future__ import annotations
 

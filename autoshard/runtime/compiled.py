@@ -10,7 +10,7 @@ and a backward graph, and before inductor (or aot_eager) compiles them autoshard
             the holder then leaves those buckets alone
   both      passes/overlap_comm: every collective issued as early, and its wait_tensor as late, as
             the graph allows (tensor parallelism's collectives, forward and backward, are
-            functional collectives already: runtime/funcol.py)
+            functional collectives already: distributed/funcol.py)
 
 What stays eager, by a graph break around it: ZeRO-3's gather and free ops and the pipeline's
 receive, send and size ops (stateful runtime calls whose collectives overlap on their own), the
@@ -28,19 +28,22 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
 from autoshard import passes
-from autoshard.compiler.torch_compile import TorchCompile
 from autoshard.distributed.comm import CommCounter
 from autoshard.errors import CompileError
 from autoshard.graph_ops import graph_break
 from autoshard.passes.graph_buckets import GraphBucket
 from autoshard.passes.overlap_comm import COLLECTIVES
 from autoshard.runtime.flat import FlatLayout
+from autoshard.spec.torch_compile import TorchCompile
+
+if TYPE_CHECKING:
+    from autoshard.runtime.rank import RankRuntime
 
 __all__ = ["CompiledGraph", "InGraphBuckets", "RankCompiler", "rank_compiler"]
 
@@ -264,7 +267,7 @@ def _live(bucket: GraphBucket, outputs: Sequence[Any]) -> GraphBucket | None:
     return GraphBucket(bucket.gid, tuple(i for i, _ in keep), tuple(s for _, s in keep)) if keep else None
 
 
-def rank_compiler(rt: Any) -> RankCompiler:
+def rank_compiler(rt: RankRuntime) -> RankCompiler:
     """The compiler of a RankRuntime's graphs: buckets reduced in the backward graph where one graph call
     completes every gradient (plain dp, no pipeline, no accumulation) and the backend rewrites graphs."""
     plan, request = rt.plan, rt.compiled.torch_compile

@@ -11,7 +11,7 @@ vocabulary split by tp) are gathered whole.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -23,6 +23,9 @@ from autoshard.errors import InputError
 from autoshard.ir.meta import evaluate_expr, get_shape, get_tp
 from autoshard.ir.ops import TRAINING_ARGS, runs
 from autoshard.ir.placements import Partial, Shard
+
+if TYPE_CHECKING:
+    from autoshard.runtime.rank import RankRuntime
 
 __all__ = ["ForwardRunner", "eval_graph", "forward_graph"]
 
@@ -88,7 +91,7 @@ def _updates_a_buffer(node: fx.Node) -> bool:
 class ForwardRunner:
     """Forward calls of one rank: builds the forward (and eval) graphs on first use."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: RankRuntime) -> None:
         self.rt = runtime
         self._graphs: dict[bool, Any] = {}
 

@@ -15,96 +15,26 @@ evaluated in the microbatch's sizes (``B``, ``S``), which every rank reads off i
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 import torch.distributed as dist
-from torch import fx, nn
 
 from autoshard.distributed.tracing import span
-from autoshard.errors import DistributedError, InputError
-from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.errors import InputError
+from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import TensorShape, evaluate_expr
+from autoshard.passes.pipeline_stages import StageGraph
 from autoshard.spec.schedules import Action, Schedule
 
-__all__ = [
-    "PipelineChannel",
-    "PipelineRunner",
-    "PipelineStats",
-    "StageGraph",
-    "UnboundChannel",
-    "recv",
-    "send",
-    "size",
-    "split_microbatches",
-]
+if TYPE_CHECKING:
+    from autoshard.distributed.comm import CommCounter
 
-
-# ---- the graph's boundary ops -------------------------------------------------------------------
-@stays_eager
-def recv(pipe: PipelineChannel, stage: int, slot: int) -> torch.Tensor:
-    """A boundary tensor from the previous stage (received by the runtime before the stage runs)."""
-    return pipe.received(stage, slot)
-
-
-@stays_eager
-def send(pipe: PipelineChannel, stage: int, slot: int, value: torch.Tensor) -> None:
-    """Hand a boundary tensor to the runtime, which sends it to the next stage after the stage ran."""
-    pipe.sending(stage, slot, value)
-
-
-@stays_eager
-def size(pipe: PipelineChannel, expr: str) -> int:
-    """A size made on an earlier stage, evaluated in this microbatch's symbol values instead of sent."""
-    return pipe.size(expr)
-
-
-class UnboundChannel(nn.Module):
-    """The channel of a stage graph built for inspection; running it needs a Program's PipelineChannel."""
-
-    def _unbound(self, *_: Any) -> Any:
-        raise DistributedError(
-            "this stage graph was built for inspection; run it through a Program compiled under a process group"
-        )
-
-    received = sending = size = _unbound
-
-
-class PipelineChannel(nn.Module):
-    """What the current action's stage graph reads (received tensors, sizes) and writes (tensors to send)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inputs: list[torch.Tensor] = []
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.sizes: dict[str, int] = {}
-        self._exprs: dict[str, sympy.Expr] = {}
-        self._values: dict[tuple, int] = {}  # evaluating with sympy costs ~0.1 ms; sizes repeat every step
-
-    def received(self, stage: int, slot: int) -> torch.Tensor:
-        return self.inputs[slot]
-
-    def sending(self, stage: int, slot: int, value: torch.Tensor) -> None:
-        self.outputs[slot] = value
-
-    def size(self, expr: str) -> int:
-        key = (expr, tuple(sorted(self.sizes.items())))
-        if key not in self._values:
-            self._values[key] = self._evaluate(expr)
-        return self._values[key]
-
-    def _evaluate(self, expr: str) -> int:
-        parsed = self._exprs.get(expr)
-        if parsed is None:
-            # Every name is a size symbol (plain sympify would read S as sympy's singleton registry).
-            names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z_]\w*", expr)}
-            parsed = self._exprs[expr] = sympy.sympify(expr, locals=names)
-        return evaluate_expr(parsed, self.sizes)
+__all__ = ["PipelineRunner", "PipelineStats", "split_microbatches"]
 
 
 def split_microbatches(
@@ -140,19 +70,6 @@ def split_microbatches(
 
 
 # ---- the schedule runner ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StageGraph:
-    """One stage (built by passes.pipeline_stages): its graph, which graph inputs it reads, what it
-    receives and sends."""
-
-    stage: int
-    gm: fx.GraphModule
-    input_indices: tuple[int, ...]  # positions in the captured graph's flat inputs
-    recv: tuple[TensorShape, ...]  # from stage - 1, in slot order
-    send: tuple[TensorShape, ...]  # to stage + 1, in slot order
-    parameter_targets: tuple[str, ...]  # get_attr targets of trainable parameters
-
-
 @dataclass
 class PipelineStats:
     """One step of this rank, measured: wall time of the schedule, time spent computing, activations held."""
@@ -202,7 +119,7 @@ class PipelineRunner:
         input_shapes: list[TensorShape | None],
         group: dist.ProcessGroup | None,
         max_slots: int,
-        comm: Any = None,
+        comm: CommCounter | None = None,
         device: torch.device | None = None,
         before_action: Callable[[Action], None] | None = None,
         calls: dict[int, Callable[..., Any]] | None = None,

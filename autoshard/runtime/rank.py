@@ -17,21 +17,22 @@ optimizer steps and the holder writes the update back.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard.distributed.comm import CommCounter
+from autoshard.distributed.groups import make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.masks import SingleDeviceMasks
+from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
 from autoshard.ir.placements import ParamPlacement, Shard
 from autoshard.passes.dropout_masks import MASKS_ATTR
@@ -46,50 +47,19 @@ from autoshard.runtime.optim import (
     optimizer_state_bytes,
     with_fused_kernel,
 )
-from autoshard.runtime.pipeline import PipelineChannel, PipelineRunner, split_microbatches
-from autoshard.runtime.tp import TensorParallel
+from autoshard.runtime.pipeline import PipelineRunner, split_microbatches
+from autoshard.runtime.tensor_parallel import TensorParallel
 from autoshard.runtime.zero import Zero3Holder
 
-__all__ = ["RankRuntime", "make_group", "shared_group"]
+if TYPE_CHECKING:
+    from autoshard.compiler.compiled import Compiled
+
+__all__ = ["RankRuntime"]
 
 TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
 
 
-_groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
-# Freed before the interpreter tears down, as c10d frees its own: a gloo group destroyed during module
-# teardown aborts the process ("terminate called without an active exception").
-atexit.register(_groups.clear)
-
-
-def shared_group(ranks: Any, timeout: timedelta) -> Any:
-    """The process group over ``ranks``, one per process for each ranks and timeout: every program of the
-    process reuses it. Each group holds its own connections and creating one gets slower as groups pile
-    up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
-    Every rank creates every group, in the same order, so every rank hits or misses alike; a new default
-    group (after destroy_process_group) starts afresh."""
-    world = dist.group.WORLD
-    for stale in [k for k, (w, _) in _groups.items() if w is not world]:
-        del _groups[stale]  # groups of a destroyed default group
-    key = (tuple(ranks), timeout)
-    made = _groups.get(key)
-    if made is None:
-        made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
-    return made[1]
-
-
-def make_group(mesh: Any, rank: int, dim: str, timeout: timedelta, world: Any) -> dist.ProcessGroup | None:
-    """This rank's process group along mesh dimension ``dim`` (every rank creates every group, in order)."""
-    if mesh.degree(dim) == dist.get_world_size():
-        return world
-    mine = None
-    for ranks in mesh.groups(dim):
-        group = shared_group(ranks, timeout)
-        if rank in ranks:
-            mine = group
-    return mine
-
-
-def state_tensors(compiled: Any) -> dict[str, torch.Tensor]:
+def state_tensors(compiled: Compiled) -> dict[str, torch.Tensor]:
     """The model's state by key, as the captured graph holds it (the same tensors the graphs read)."""
     gm = compiled.captured.gm
     out = {}
@@ -107,7 +77,7 @@ def state_tensors(compiled: Any) -> dict[str, torch.Tensor]:
 class RankRuntime:
     """This rank's share of the program: groups, tensor parallelism, holder, optimizer and driver."""
 
-    def __init__(self, compiled: Any, factory: Callable[[Any], torch.optim.Optimizer] | None, comm: CommCounter):
+    def __init__(self, compiled: Compiled, factory: Callable[[Any], torch.optim.Optimizer] | None, comm: CommCounter):
         plan = self.plan = compiled.plan
         mesh = self.mesh = plan.mesh
         self.compiled = compiled

@@ -1,6 +1,6 @@
 """ZeRO-3 at run time: parameters sharded at rest over dp, gathered per layer just before use.
 
-The rewritten graph (passes/zero3_gather_free) calls ``gather`` before a group's first use (which
+The rewritten graph (passes/zero3_gather_free) calls graph_ops/zero.py's ``gather`` before a group's first use (which
 also prefetches the group after it), ``mark`` on the output of each op that uses the group (the last
 one frees the gathered buffer; in backward each gathers it again, and prefetches the group before,
 ahead of that op's backward), and the gather's backward adds the group's gradient into a flat
@@ -20,71 +20,11 @@ import torch
 from torch import nn
 
 from autoshard.distributed.comm import CommCounter
-from autoshard.distributed.tracing import span
-from autoshard.graph_ops.graph_break import stays_eager
 from autoshard.runtime.flat import FlatLayout
 from autoshard.runtime.holders import Groups, ShardedGrads, _nbytes
 from autoshard.runtime.masters import Masters
 
-__all__ = ["UnboundZero3Runtime", "Zero3Holder", "Zero3Runtime", "gather", "mark"]
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather a group's parameters. Backward: accumulate (and, armed, reduce-scatter) their gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
-        ctx.runtime, ctx.group = runtime, group
-        with span(f"zero3_gather.group{group}"):
-            runtime.ensure_gathered(group)
-        if not runtime.replaying:
-            runtime.prefetch(runtime.next_of.get(group))
-        return tuple(runtime.layouts[group].views(runtime.fulls[group]))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
-        ctx.runtime.add_grads(ctx.group, grads)
-        return None, None, None
-
-
-class _Mark(torch.autograd.Function):
-    """Identity on the output of an op that used a group's parameters.
-
-    Forward: frees the gathered group after its last use. Backward: gathers the group again (and
-    prefetches the one used before it) before the op's backward needs the parameters.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, runtime: Zero3Runtime, group: int, free: bool) -> torch.Tensor:
-        ctx.runtime, ctx.group = runtime, group
-        if free and not runtime.replaying:
-            runtime.free(group)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        ctx.runtime.ensure_gathered(ctx.group)
-        ctx.runtime.prefetch(ctx.runtime.prev_of.get(ctx.group))
-        return grad, None, None, None
-
-
-@stays_eager
-def gather(runtime: Zero3Runtime, group: int) -> tuple[torch.Tensor, ...]:
-    """Graph op: this group's full parameters, gathered from the dp shards."""
-    return _Gather.apply(runtime.shards[group], runtime, group)
-
-
-@stays_eager
-def mark(y: torch.Tensor, runtime: Zero3Runtime, group: int, free: bool) -> torch.Tensor:
-    """Graph op: ``y`` came from parameters of ``group``; ``free``: that was their last use in forward."""
-    return _Mark.apply(y, runtime, group, free)
-
-
-class UnboundZero3Runtime(nn.Module):
-    """Stands in for a rank's Zero3Runtime in graphs compiled offline; a Program replaces it to run."""
-
-    def forward(self) -> None:
-        raise RuntimeError("this ZeRO-3 graph was compiled offline; only a Program on a process group runs it")
+__all__ = ["Zero3Holder", "Zero3Runtime"]
 
 
 class Zero3Runtime(nn.Module):
@@ -118,7 +58,7 @@ class Zero3Runtime(nn.Module):
         self.reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []  # launched, not waited for
         self.done_shards: dict[int, torch.Tensor] = {}  # waited for: this rank's gradient shard per group
         self.peak_gathered_bytes = 0
-        # Inside a recompute region's replay in backward (runtime.recompute): forward's frees and
+        # Inside a recompute region's replay in backward (graph_ops.recompute): forward's frees and
         # prefetches are not repeated; the gather's backward frees the group once its gradients are in.
         self.replaying = 0
         # Native collectives run asynchronously: prefetch and keep a reduction in flight. On gloo the

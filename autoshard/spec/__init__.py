@@ -1,0 +1,2 @@
+"""What the user asks for, as printable data: the Mesh (mesh.py), the Plan (plan.py), pipeline schedules
+(schedules.py), and the torch.compile request (torch_compile.py)."""

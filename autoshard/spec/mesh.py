@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.errors import MeshError
+from autoshard.errors import InputError, MeshError
 
-__all__ = ["MESH_DIMS", "Mesh"]
+__all__ = ["MESH_DIMS", "Mesh", "resolve_mesh"]
 
 # Outer to inner: tp ranks are neighbours (they talk most, so they share the fastest links),
 # then dp, then pp (Megatron's ordering).
@@ -121,3 +121,18 @@ class Mesh:
                 raise MeshError(f"DeviceMesh names dimension {name!r} twice")
             degrees[name] = int(device_mesh.size(i))
         return cls(**degrees)
+
+
+def resolve_mesh(mesh: Any) -> int | Mesh:
+    """What ``compile`` and ``plan`` take as a mesh: a Mesh, a torch DeviceMesh, or a world size."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        if mesh < 1:
+            raise MeshError(f"mesh={mesh} is not a positive world size; pass the number of ranks or a Mesh")
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return Mesh.from_device_mesh(mesh)
+    raise InputError(
+        f"mesh must be an autoshard.Mesh, a torch DeviceMesh, or an int world size, got {type(mesh).__name__}"
+    )

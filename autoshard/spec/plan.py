@@ -12,7 +12,7 @@ from autoshard.errors import PlanError
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.schedules import Schedule
 
-__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision"]
+__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision", "resolve_plan"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -57,7 +57,7 @@ class Plan:
     dropout_masks     "per_rank": each rank draws its own dropout masks (fast); "single_device": every rank
                       draws each mask for the global batch as one device would and keeps its slice, so
                       training with dropout equals single-device training bit for bit (costs draws at
-                      global size on every rank; runtime/masks.py)
+                      global size on every rank; graph_ops/masks.py)
     autocast          run every graph under torch.autocast in this dtype (e.g. torch.bfloat16): matmuls in
                       bf16, parameters, gradients and the optimizer in fp32 (the alternative to param_dtype)
     reduce_dtype      the dtype gradients are reduced in over dp (None: their own): torch.float32 with bf16
@@ -201,3 +201,23 @@ class Plan:
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
         return "Plan(" + ", ".join(parts) + ")"
+
+
+def resolve_plan(plan: Any) -> dict[str, Any]:
+    """The fields a user fixed (``"auto"``: none), from a Plan or a dict, checked."""
+    if isinstance(plan, str) and plan == "auto":
+        return {}
+    if isinstance(plan, Plan):
+        return {name: getattr(plan, name) for name in Plan.field_names()}  # asdict would unpack a Schedule
+    if isinstance(plan, dict):
+        Plan.check_overrides(plan)
+        schedule = plan.get("schedule")
+        if isinstance(schedule, Schedule):
+            for name in ("microbatches", "virtual_stages"):
+                if name in plan and plan[name] != getattr(schedule, name):
+                    raise PlanError(
+                        f"plan asks for {name}={plan[name]} but its schedule has {getattr(schedule, name)}; "
+                        f"drop {name} from the plan (the schedule sets it)"
+                    )
+        return dict(plan)
+    raise PlanError(f'plan must be "auto", an autoshard.Plan, or a dict of Plan fields, got {plan!r}')

@@ -76,7 +76,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "10_addmm_column_and_row_swapped",
-        "file": "autoshard/sharding/compute.py",
+        "file": "autoshard/sharding/matmul.py",
         "why": "addmm's weight is read as W[out, in] (linear's layout): column- and row-parallel swapped",
         "tests": ["tests/test_rules_matmul.py"],
         "k": "addmm",
@@ -142,7 +142,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "18_zero3_backward_does_not_regather",
-        "file": "autoshard/runtime/zero.py",
+        "file": "autoshard/graph_ops/zero.py",
         "why": "ZeRO-3 backward runs an op's backward without gathering its freed parameters again",
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "test_every_strategy and zero3",
@@ -173,21 +173,21 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "22_tp_copy_backward_not_reduced",
-        "file": "autoshard/runtime/tp.py",
+        "file": "autoshard/graph_ops/tp.py",
         "why": "Megatron's f (identity forward) no longer all-reduces the partial input gradients backward",
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "first_update and tp2",
     },
     {
         "name": "23_vocab_cross_entropy_gradient_not_averaged",
-        "file": "autoshard/runtime/tp.py",
+        "file": "autoshard/graph_ops/tp.py",
         "why": ("the vocab-parallel cross-entropy's backward forgets the mean over tokens (Adam hides the factor)"),
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "first_update and tp2",
     },
     {
         "name": "24_vocab_embedding_range_off_by_one",
-        "file": "autoshard/runtime/tp.py",
+        "file": "autoshard/graph_ops/tp.py",
         "why": "the vocab-parallel embedding takes the first id of the next rank's rows as its own",
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "first_update and tp2",
@@ -301,7 +301,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "39_view_split_shards_inner_dimension",
-        "file": "autoshard/sharding/rules.py",
+        "file": "autoshard/sharding/views.py",
         "why": (
             "a view that splits a sharded dimension puts the shard on the innermost part (head_dim) instead "
             "of the outermost (heads)"
@@ -311,7 +311,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "40_fused_split_not_strided",
-        "file": "autoshard/sharding/rules.py",
+        "file": "autoshard/sharding/views.py",
         "why": (
             "a split into equal parts of a sharded value no longer asks for a strided shard: fused QKV gives"
             " each rank wrong q, k, v"
@@ -321,14 +321,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "41_bmm_contraction_not_partial",
-        "file": "autoshard/sharding/compute.py",
+        "file": "autoshard/sharding/matmul.py",
         "why": ("bmm/matmul with the contracted dimension split claims a replicated result instead of partial sums"),
         "tests": ["tests/test_rules_matmul.py"],
         "k": "bmm or matmul",
     },
     {
         "name": "42_attention_mask_per_head_inverted",
-        "file": "autoshard/sharding/compute.py",
+        "file": "autoshard/sharding/reductions.py",
         "why": ("attention asks for a mask shared by all heads to be sharded by heads, and a per-head mask whole"),
         "tests": ["tests/test_rules_matmul.py"],
         "k": "attention",
@@ -429,7 +429,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "56_every_program_makes_new_process_groups",
-        "file": "autoshard/runtime/rank.py",
+        "file": "autoshard/distributed/groups.py",
         "why": "every compile creates new process groups that are never destroyed: a long-lived process leaks them",
         "tests": ["tests/test_dp_runtime.py"],
         "k": "share_their_process_groups",
@@ -514,14 +514,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "67_planner_vocab_parallel_loss_costs_no_collectives",
-        "file": "autoshard/planner/profile.py",
+        "file": "autoshard/planner/part_graph.py",
         "why": "the vocab-parallel loss's own all-reduces (row max; sum of exponentials and target logit) go uncosted",
         "tests": ["tests/test_planner_rules.py"],
         "k": "tensor_parallel_rank_issues",
     },
     {
         "name": "68_planner_partial_output_handed_on_unreduced",
-        "file": "autoshard/planner/profile.py",
+        "file": "autoshard/planner/part_graph.py",
         "why": "a part that hands on a partial sum (the embedding's) is costed without the all-reduce its reader makes",
         "tests": ["tests/test_planner_rules.py"],
         "k": "tensor_parallel_rank_issues",

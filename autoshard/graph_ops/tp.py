@@ -1,8 +1,9 @@
 """Tensor-parallel collectives as autograd-aware graph ops, and the vocab-parallel embedding and loss.
 
 The TP rewrite (passes/tp_rewrite) inserts calls to the functions below into the graph; each takes
-the rank's ``TensorParallel`` module (a get_attr node named ``tp``) first, so the graph itself is the
-same on every rank. The pairs are Megatron's:
+the rank's tensor-parallel module (a get_attr node named ``tp``: an ``UnboundTensorParallel`` in a graph
+built for inspection, runtime/tensor_parallel.py's ``TensorParallel`` on a rank) first, so the graph
+itself is the same on every rank. The pairs are Megatron's:
 
     all_reduce      forward all-reduce, backward identity   (g: after a row-parallel linear)
     copy            forward identity,   backward all-reduce (f: before a column-parallel region)
@@ -11,7 +12,7 @@ same on every rank. The pairs are Megatron's:
     reduce_scatter  forward reduce-scatter, backward all-gather  (sequence parallel's g)
     gather_rs       forward all-gather, backward reduce-scatter  (sequence parallel's f)
 
-Their collectives are functional (``torch.ops._c10d_functional`` with ``wait_tensor``, runtime/funcol.py),
+Their collectives are functional (``torch.ops._c10d_functional`` with ``wait_tensor``, distributed/funcol.py),
 forward and backward, over the group's name: an eager step and one compiled by torch.compile run the
 same collectives, and the autograd functions take only plain values (the group's name, size and this
 rank), which dynamo traces. Every collective is counted in the program's CommCounter under ``tp_<op>``.
@@ -19,16 +20,12 @@ rank), which dynamo traces. Every collective is counted in the program's CommCou
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autoshard.distributed import funcol
-from autoshard.distributed.comm import CommCounter
 from autoshard.errors import DistributedError, InputError
 from autoshard.graph_ops.graph_break import stays_eager
 from autoshard.ir.ops import WRAPPERS
@@ -36,8 +33,8 @@ from autoshard.ir.placements import Shard
 
 __all__ = [
     "CROSS_ENTROPY_ALL_REDUCES",
-    "TensorParallel",
     "UnboundTensorParallel",
+    "check_divisible",
     "all_gather",
     "all_reduce",
     "copy",
@@ -51,7 +48,8 @@ __all__ = [
 
 
 class UnboundTensorParallel(nn.Module):
-    """The ``tp`` of a graph built for inspection; running it needs a Program under a process group."""
+    """The ``tp`` of a graph built for inspection, and what the graph ops read of a rank's: its degree, its
+    rank in the group, the group's name; running it needs a Program under a process group."""
 
     rank = 0
 
@@ -71,82 +69,6 @@ class UnboundTensorParallel(nn.Module):
     def group_name(self) -> str:
         """The process group's name, which the graph ops' functional collectives run on."""
         return self._unbound()
-
-
-class TensorParallel(UnboundTensorParallel):
-    """This rank's tensor-parallel group: its rank in it, the degree, and counted collectives."""
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
-
-    def __init__(self, group: dist.ProcessGroup | None, comm: CommCounter, seed: int = 0) -> None:
-        """``seed``: equal on every rank of the group; this rank's own random stream starts from it and its rank."""
-        super().__init__(dist.get_world_size(group))
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.comm = comm
-        self._group_name = (group or dist.group.WORLD).group_name
-        funcol.register_counter(self._group_name, comm)
-        self.seed = seed + 2718 + self.rank  # Megatron's offset for the model-parallel stream
-        self._streams: dict[str, torch.Tensor] = {}
-
-    @contextlib.contextmanager
-    def rank_stream(self, device: torch.device) -> Iterator[None]:
-        """Draw random numbers from this rank's own stream (distinct per tp rank), then restore the shared one."""
-        cuda = device.type == "cuda"
-        get = (lambda: torch.cuda.get_rng_state(device)) if cuda else torch.get_rng_state
-        put = (lambda state: torch.cuda.set_rng_state(state, device)) if cuda else torch.set_rng_state
-        key = str(device)
-        if key not in self._streams:
-            self._streams[key] = torch.Generator(device=device).manual_seed(self.seed).get_state()
-        shared = get()
-        put(self._streams[key])
-        try:
-            yield
-        finally:
-            self._streams[key] = get()
-            put(shared)
-
-    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All-reduce (sum) in place."""
-        self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
-        with self.comm.timing("tp_all_reduce"):
-            dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def sum_each_(self, tensors: list[torch.Tensor]) -> None:
-        """All-reduce (sum) every tensor in place, in one collective over their concatenation."""
-        if tensors:
-            flat = self.sum_(torch.cat([t.reshape(-1) for t in tensors]))
-            for tensor, total in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(total.view_as(tensor))
-
-    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All-reduce (max) in place."""
-        self.comm.count("tp_all_reduce", 2 * tensor.numel() * tensor.element_size())
-        with self.comm.timing("tp_all_reduce"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        return tensor
-
-    def gather(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
-        """Every rank's ``placement`` slice joined into the full tensor."""
-        tensor = tensor.contiguous()
-        pieces = [torch.empty_like(tensor) for _ in range(self.degree)]
-        self.comm.count("tp_all_gather", tensor.numel() * tensor.element_size() * self.degree)
-        with self.comm.timing("tp_all_gather"):
-            dist.all_gather(pieces, tensor, group=self.group)
-        return placement.join(pieces)
-
-    def reduce_scatter_(self, tensor: torch.Tensor, placement: Shard) -> torch.Tensor:
-        """Sum over the group, keeping this rank's ``placement`` slice."""
-        check_divisible(tensor, placement, self.degree)
-        pieces = [placement.local(tensor, r, self.degree).contiguous() for r in range(self.degree)]
-        out = torch.empty_like(pieces[0])
-        self.comm.count("tp_reduce_scatter", tensor.numel() * tensor.element_size())
-        with self.comm.timing("tp_reduce_scatter"):
-            dist.reduce_scatter(out, pieces, group=self.group)
-        return out
 
 
 def check_divisible(tensor: torch.Tensor, placement: Shard, degree: int) -> None:
@@ -218,42 +140,44 @@ class _Redistribute(torch.autograd.Function):
         return _STEPS[ctx.bwd](grad, *ctx.args), None, None, None, None, None, None, None
 
 
-def _redistribute(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int, fwd: str, bwd: str) -> torch.Tensor:
+def _redistribute(
+    tp: UnboundTensorParallel, x: torch.Tensor, dim: int, blocks: int, fwd: str, bwd: str
+) -> torch.Tensor:
     return _Redistribute.apply(x, dim, blocks, fwd, bwd, tp.group_name, tp.degree, tp.rank)
 
 
-def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+def all_reduce(tp: UnboundTensorParallel, x: torch.Tensor) -> torch.Tensor:
     """Partial -> Replicate: sum the ranks' partial values (backward: identity)."""
     return _AllReduce.apply(x, tp.group_name)
 
 
-def copy(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+def copy(tp: UnboundTensorParallel, x: torch.Tensor) -> torch.Tensor:
     """A replicated value entering sharded work: identity (backward: sum the ranks' partial gradients)."""
     return _Copy.apply(x, tp.group_name)
 
 
-def all_gather(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+def all_gather(tp: UnboundTensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Shard -> Replicate (backward: keep this rank's slice)."""
     return _redistribute(tp, x, dim, blocks, "gather", "slice")
 
 
-def scatter(tp: TensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+def scatter(tp: UnboundTensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Replicate -> Shard: this rank's slice, no communication (backward: all-gather)."""
     return _redistribute(tp, x, dim, blocks, "slice", "gather")
 
 
-def reduce_scatter(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
+def reduce_scatter(tp: UnboundTensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Partial -> Shard (sequence parallel's exit from a row-parallel linear; backward: all-gather)."""
     return _redistribute(tp, x, dim, 1, "reduce_scatter", "gather")
 
 
-def gather_rs(tp: TensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
+def gather_rs(tp: UnboundTensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Shard -> Replicate before sharded work (sequence parallel's entry; backward: reduce-scatter)."""
     return _redistribute(tp, x, dim, 1, "gather", "reduce_scatter")
 
 
 @stays_eager
-def sharded_random(tp: TensorParallel, op: Any, *args: Any, **kwargs: Any) -> Any:
+def sharded_random(tp: UnboundTensorParallel, op: Any, *args: Any, **kwargs: Any) -> Any:
     """A random op (dropout) on sharded values: drawn from this rank's own stream, so ranks' masks differ.
 
     Random ops on replicated values use the shared stream, which the Program keeps equal across the tp
@@ -268,7 +192,7 @@ WRAPPERS[sharded_random] = lambda args: (args[1], args[2:])
 
 
 def vocab_parallel_embedding(
-    tp: TensorParallel, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1
+    tp: UnboundTensorParallel, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1
 ) -> torch.Tensor:
     """Lookup in this rank's rows of the table; other ranks' ids give zeros (a Partial result)."""
     rows = weight.shape[0]
@@ -333,7 +257,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    tp: TensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int = 1, ignore_index: int = -100
+    tp: UnboundTensorParallel, logits: torch.Tensor, target: torch.Tensor, reduction: int = 1, ignore_index: int = -100
 ) -> torch.Tensor:
     """``aten.cross_entropy_loss`` for logits sharded over classes (dim 1); the loss is replicated."""
     return _VocabParallelCrossEntropy.apply(logits, target, reduction, ignore_index, tp.group_name, tp.rank)

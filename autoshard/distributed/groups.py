@@ -1,0 +1,51 @@
+"""Process groups over sets of ranks, made once per process and shared by every program in it."""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from autoshard.spec.mesh import Mesh
+
+__all__ = ["make_group", "shared_group"]
+
+
+_groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
+# Freed before the interpreter tears down, as c10d frees its own: a gloo group destroyed during module
+# teardown aborts the process ("terminate called without an active exception").
+atexit.register(_groups.clear)
+
+
+def shared_group(ranks: Iterable[int], timeout: timedelta) -> dist.ProcessGroup:
+    """The process group over ``ranks``, one per process for each ranks and timeout: every program of the
+    process reuses it. Each group holds its own connections and creating one gets slower as groups pile
+    up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
+    Every rank creates every group, in the same order, so every rank hits or misses alike; a new default
+    group (after destroy_process_group) starts afresh."""
+    world = dist.group.WORLD
+    for stale in [k for k, (w, _) in _groups.items() if w is not world]:
+        del _groups[stale]  # groups of a destroyed default group
+    key = (tuple(ranks), timeout)
+    made = _groups.get(key)
+    if made is None:
+        made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
+    return made[1]
+
+
+def make_group(
+    mesh: Mesh, rank: int, dim: str, timeout: timedelta, world: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """This rank's process group along mesh dimension ``dim`` (every rank creates every group, in order)."""
+    if mesh.degree(dim) == dist.get_world_size():
+        return world
+    mine = None
+    for ranks in mesh.groups(dim):
+        group = shared_group(ranks, timeout)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -1,0 +1,63 @@
+"""Pipeline stages as the cost model sees them: what one stage costs, which stages a rank runs, and where
+the blocks are cut so that the costliest stage is cheapest."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+__all__ = ["Stage", "balanced_starts", "by_rank"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage's costs on one rank, per microbatch where it says so."""
+
+    forward: float  # one microbatch
+    backward: float  # recomputation included
+    recompute: float
+    tp_comm: float
+    send: float  # its output to the next stage (and the gradient back)
+    params: int  # bytes one rank holds of this stage's parameters (tp shards)
+    elements: int
+    largest: int  # the largest part's parameters (a ZeRO-3 gather)
+    groups: int  # ZeRO-3 flat groups (one per layer): a gather in forward and backward, a reduce-scatter each
+    kept: float  # activation bytes one microbatch keeps
+    transient: float
+    partial_grads: int = 0  # bytes of replicated weights' gradients summed over tp once a step
+
+
+def by_rank(stages: list[Stage], pp: int) -> list[list[Stage]]:
+    """Each pipeline rank's stages (with virtual stages, every pp-th)."""
+    return [stages[r::pp] for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def balanced_starts(seconds: tuple[float, ...], n: int) -> list[int]:
+    """Where each of ``n`` contiguous groups of blocks starts so the costliest group is cheapest."""
+    count = len(seconds)
+    if n >= count:
+        return [min(i, count) for i in range(n)] + [count]
+    lo, hi = max(seconds), sum(seconds)
+    for _ in range(40):
+        cap = (lo + hi) / 2
+        groups, acc = 1, 0.0
+        for s in seconds:
+            if acc + s > cap and acc > 0:
+                groups, acc = groups + 1, s
+            else:
+                acc += s
+        lo, hi = (cap, hi) if groups > n else (lo, cap)
+    starts, acc = [0], 0.0
+    for i, s in enumerate(seconds):
+        if acc + s > hi * (1 + 1e-9) and acc > 0 and len(starts) < n:
+            starts.append(i)
+            acc = s
+        else:
+            acc += s
+    while len(starts) < n:  # fewer groups than asked: split the last ones one block each
+        starts.append(starts[-1] + 1)
+    starts = sorted(set(min(s, count - (n - i)) for i, s in enumerate(starts)))
+    while len(starts) < n:
+        starts.append(starts[-1] + 1)
+    return [*starts, count]
