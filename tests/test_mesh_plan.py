@@ -83,8 +83,10 @@ def test_plan_validation_messages() -> None:
         Plan(schedule="zigzag")
     with pytest.raises(PlanError, match=re.escape("plan field dp=0 must be a positive integer")):
         Plan(dp=0)
-    with pytest.raises(PlanError, match=re.escape("unknown plan field(s) ['dpp']")):
-        Plan.check_overrides({"dpp": 2})
+    with pytest.raises(PlanError, match=re.escape("unknown plan field 'microbatch'; did you mean 'microbatches'?")):
+        Plan.check_overrides({"microbatch": 2})
+    with pytest.raises(PlanError, match=re.escape("unknown plan field 'zer'; did you mean 'zero'?")):
+        Plan.check_overrides({"zer": 3})
 
 
 def test_every_combination_is_a_plan() -> None:

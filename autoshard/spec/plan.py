@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,12 +13,32 @@ from autoshard.errors import PlanError
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.schedules import Schedule
 
-__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision", "resolve_plan"]
+__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision", "parse_dtype", "resolve_plan"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 DROPOUT_MASKS = ("per_rank", "single_device")
+
+
+DTYPE_FIELDS = ("param_dtype", "autocast", "reduce_dtype")
+_DTYPE_NAMES = {
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16", "half"), torch.float16),
+    **dict.fromkeys(("fp32", "float32", "float"), torch.float32),
+}
+
+
+def parse_dtype(field: str, value: Any) -> torch.dtype | None:
+    """A dtype plan field as a torch.dtype, from one or a name ("bf16", "bfloat16", "torch.bfloat16", ...)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    raise PlanError(
+        f"plan field {field}={value!r} is not a dtype: write torch.bfloat16, or a name such as 'bf16', "
+        f"'bfloat16', 'fp16' or 'fp32'"
+    )
 
 
 def is_mixed_precision(param_dtype: torch.dtype | None) -> bool:
@@ -83,6 +104,8 @@ class Plan:
     reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        for name in DTYPE_FIELDS:  # "bf16", "bfloat16", "torch.bfloat16": the dtype
+            object.__setattr__(self, name, parse_dtype(name, getattr(self, name)))
         if isinstance(self.schedule, Schedule):
             # A schedule of one's own fixes the microbatches and virtual stages (compile refuses a
             # plan that asks for other numbers alongside it).
@@ -169,10 +192,26 @@ class Plan:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def check_overrides(cls, overrides: dict[str, Any]) -> None:
-        unknown = sorted(set(overrides) - set(cls.field_names()))
-        if unknown:
-            raise PlanError(f"unknown plan field(s) {unknown}; the fields are {list(cls.field_names())}")
+    def check_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The fields a user fixed, checked (names, values, and how the fixed ones fit together) before
+        anything touches the model; dtype names parsed. The planner fills the rest so that they fit."""
+        fields = cls.field_names()
+        for name in overrides:
+            if name not in fields:
+                near = difflib.get_close_matches(name, fields, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise PlanError(f"unknown plan field {name!r}; {hint}the fields are {list(fields)}")
+        fixed = {k: parse_dtype(k, v) if k in DTYPE_FIELDS else v for k, v in overrides.items()}
+        # What the fixed fields need of the others, where those are left to the planner.
+        context: dict[str, Any] = {}
+        if "zero" not in fixed and (is_mixed_precision(fixed.get("param_dtype")) or fixed.get("offload") is True):
+            context["zero"] = 1
+        if "tp" not in fixed and fixed.get("sequence_parallel") is True:
+            context["tp"] = 2
+        if "schedule" not in fixed and isinstance(fixed.get("virtual_stages"), int) and fixed["virtual_stages"] > 1:
+            context["schedule"] = "interleaved_1f1b"
+        cls(**{**context, **fixed})  # raises the field's own PlanError
+        return fixed
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
@@ -210,7 +249,7 @@ def resolve_plan(plan: Any) -> dict[str, Any]:
     if isinstance(plan, Plan):
         return {name: getattr(plan, name) for name in Plan.field_names()}  # asdict would unpack a Schedule
     if isinstance(plan, dict):
-        Plan.check_overrides(plan)
+        plan = Plan.check_overrides(plan)
         schedule = plan.get("schedule")
         if isinstance(schedule, Schedule):
             for name in ("microbatches", "virtual_stages"):
