@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([_candidate(c) for c in report.candidates[: args.top]], indent=1))
         else:
-            print(f"why: {report.reason}\n{report.table(top=args.top)}")
+            print(f"{report.assumed()}\nwhy: {report.reason}\n{report.table(top=args.top)}")
         return 0
     if args.command == "verify":
         verified = autoshard.verify(made["model"], mesh, made["inputs"], plan=plan, **common)

@@ -23,7 +23,7 @@ from autoshard.compiler.compiled import Compiled
 from autoshard.compiler.pipeline import STEPS, Build
 from autoshard.compiler.placements import param_placements
 from autoshard.passes.infra import run_steps
-from autoshard.planner.api import DEFAULT_HARDWARE, analyse_for_planning
+from autoshard.planner.api import analyse_for_planning, default_hardware
 from autoshard.planner.hardware import Hardware
 from autoshard.program import Program
 from autoshard.spec.mesh import Mesh, resolve_mesh
@@ -79,7 +79,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         model, example_inputs, example_kwargs, example_target = cast_model(
             overrides["param_dtype"], model, example_inputs, example_kwargs, example_target
         )
-    hardware = hardware or Hardware.preset(DEFAULT_HARDWARE)
+    hardware = hardware or default_hardware(model)
     report, captured, results, cost = analyse_for_planning(
         model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target, hardware
     )

@@ -32,6 +32,7 @@ def explain(program: Program) -> str:
     ev = cost.evaluate(**sizes)
     lines = [
         f"autoshard program for {program.compiled.captured.model_name} on {program.mesh}",
+        report.assumed(),
         f"plan: {program.plan}",
         f"why:  {report.reason}",
         f"predicted per rank at the global batch ({size_str}) on {report.hardware.name}: "

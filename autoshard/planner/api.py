@@ -7,6 +7,7 @@ and the search.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +29,25 @@ from autoshard.planner.search import choose_plan
 from autoshard.spec.mesh import Mesh, resolve_mesh
 from autoshard.spec.plan import is_mixed_precision, resolve_plan
 
-__all__ = ["DEFAULT_HARDWARE", "analyse_for_planning", "plan", "planning_sizes"]
+__all__ = ["DEFAULT_HARDWARE", "analyse_for_planning", "default_hardware", "plan", "planning_sizes"]
 
 log = logging.getLogger("autoshard")
 
-DEFAULT_HARDWARE = "a100-80gb"  # what a plan assumes when it is not told the hardware
+DEFAULT_HARDWARE = "a100-80gb"  # what a plan for a model on the meta device assumes when not told
+_GPU_PRESETS = (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"))
+
+
+def default_hardware(model: Any) -> Hardware:
+    """What a plan assumes when it is not told: the CPU preset for a model on the CPU, the preset of the GPU a
+    model sits on (the A100 80GB's where none matches), and the A100 80GB's for a model on the meta device
+    (planning at scale). Hardware.measure() knows better: pass it as ``hardware=``."""
+    device = next((p.device for p in model.parameters()), None) if isinstance(model, nn.Module) else None
+    if device is not None and device.type == "cpu":
+        return Hardware.preset("cpu")
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        return Hardware.preset(next((preset for key, preset in _GPU_PRESETS if key in name), DEFAULT_HARDWARE))
+    return Hardware.preset(DEFAULT_HARDWARE)
 
 
 def planning_sizes(example_sizes: dict[str, int], global_batch_size: int | None) -> dict[str, int]:
@@ -60,7 +75,8 @@ def plan(
 
     Each candidate has ``.plan``, ``.step_time`` (s), ``.memory`` (per-rank bytes by category, ``.total``),
     ``.tflops_per_device``, ``.mfu``, ``.fits``, ``.why`` and ``.max_batch()``. ``hardware``: a
-    ``Hardware`` (``Hardware.preset(...)`` or ``Hardware.measure()``; default the A100 80GB preset).
+    ``Hardware`` (``Hardware.preset(...)`` or ``Hardware.measure()``; default: ``default_hardware(model)``, the
+    CPU preset for a model on the CPU, its GPU's preset on a GPU, the A100 80GB's on the meta device).
     ``global_batch_size``: plan for this many rows per step instead of the example's. ``plan``: fields
     fixed as in ``compile`` (``{"zero": 3}``, ``{"tp": 8, "recompute": "full"}``, ...). Nothing runs on
     any rank: a model on the meta device plans at full scale.
@@ -77,7 +93,7 @@ def plan(
         )
     report, *_ = analyse_for_planning(
         model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target,
-        hardware or Hardware.preset(DEFAULT_HARDWARE), global_batch_size,
+        hardware or default_hardware(model), global_batch_size,
     )  # fmt: skip
     return report
 
@@ -103,6 +119,8 @@ def analyse_for_planning(
     model_flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, sizes))
     profile = profile_graph(gm, sizes, hardware.kernels, model_flops)
     report = choose_plan(resolved, overrides, Costing(profile, at, hardware), at, hardware)
+    parameters = sum(p.numel() for p in model.parameters()) if isinstance(model, nn.Module) else 0
+    report = dataclasses.replace(report, model=captured.model_name, parameters=parameters)
     return report, captured, results, cost
 
 

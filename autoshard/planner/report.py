@@ -145,6 +145,14 @@ class PlanReport(Sequence):
     sizes: dict[str, int] = field(hash=False)
     hardware: Hardware
     searched: int = 0  # plans the search costed (the candidates are the best of each mesh shape and ZeRO stage)
+    model: str = ""  # the model planned for, and its size
+    parameters: int = 0
+
+    def assumed(self) -> str:
+        """One line: the model and its size, and the hardware the plan assumed (a preset or measured)."""
+        size = f"{self.parameters / 1e9:.2f}B" if self.parameters >= 1e8 else f"{self.parameters / 1e6:.2f}M"
+        origin = "measured" if self.hardware.source.startswith("Hardware.measure") else "preset"
+        return f"{self.model or 'the model'}: {size} parameters; assuming {self.hardware.name} ({origin})"
 
     def __getitem__(self, index: Any) -> Any:
         return self.candidates[index]
