@@ -30,9 +30,11 @@ _memo: dict[tuple, Captured] = {}
 def _signature(value: Any) -> tuple:
     leaves, spec = pytree.tree_flatten(value)
     out = [str(spec)]
-    for leaf in leaves:
+    first: dict[int, int] = {}  # a tensor passed twice (ids as labels) is captured as one input: part of the key
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            out.append((tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+            alias = first.setdefault(id(leaf), i)
+            out.append((tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad, alias))
         else:
             out.append(repr(leaf))
     return tuple(out)

@@ -50,6 +50,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     log_every: int | None = None,
     torch_compile: bool | None = None,
     backend: str | Callable[..., Any] | None = None,
+    check_data: int = 3,
 ) -> Program:
     """Compile ``model`` into this rank's distributed training program (an ``autoshard.Program``).
 
@@ -57,7 +58,8 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     callable from parameters to a torch optimizer (parameter groups welcome). Works offline (no
     process group) for inspection; under a process group the mesh must match the world size.
     ``hardware``: what the planner assumes about the devices and links (``autoshard.Hardware``: a preset,
-    ``Hardware.measure()`` or ``Hardware.from_json(...)``; default the A100 80GB preset).
+    ``Hardware.measure()`` or ``Hardware.from_json(...)``; default: the CPU preset for a model on the CPU, its
+    GPU's preset on a GPU, the A100 80GB's for a model on the meta device).
     ``timeout``: seconds a rank waits in any collective or send/recv before its step fails with the
     step and the operation named (a rank that died or stalls never hangs the others).
     ``log_every``: every that many steps rank 0 logs a progress line (``program.metrics``) to the
@@ -65,9 +67,11 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     ``torch_compile=True``: each rank's graph (each pipeline stage's) is compiled by torch.compile with
     ``backend`` (default inductor); a model already wrapped by ``torch.compile`` is unwrapped and its
     request carried over (None: as the model). ``program.compile_seconds`` reports the time it took.
+    ``check_data``: for that many first steps, ``step()`` checks that the ranks of a tensor-parallel group
+    and of a pipeline were handed the same rows and the data-parallel ranks different ones (0: never).
     """
     model, request = resolve(model, torch_compile, backend)
-    checks.check_options(timeout, log_every, optimizer)
+    checks.check_options(timeout, log_every, optimizer, check_data)
     resolved, overrides = resolve_mesh(mesh), resolve_plan(plan)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     check_toolchain(request, check_devices(model, torch.distributed.get_backend() if distributed else ""))
@@ -95,7 +99,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         placements=param_placements(captured.gm, model, chosen, build.stages_of, schedule, build.tp_report),
         stages=build.stages, schedule=schedule, tp_report=build.tp_report, template=template, opt_groups=opt_groups,
         stages_of=build.stages_of, master_values=master_values, timeout=float(timeout), masks=build.masks,
-        rng_state=rng_state, log_every=log_every or 0, torch_compile=request,
+        rng_state=rng_state, log_every=log_every or 0, torch_compile=request, check_data=check_data,
         analysis_log=[f"capture: {captured}"] + [str(r) for r in [*results, *build.log]],
     )  # fmt: skip
     return Program(compiled, optimizer)

@@ -27,11 +27,13 @@ __all__ = [
 ]
 
 
-def check_options(timeout: Any, log_every: Any, optimizer: Any) -> None:
+def check_options(timeout: Any, log_every: Any, optimizer: Any, check_data: Any = 0) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InputError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=300")
     if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
         raise InputError(f"log_every={log_every!r} must be a positive number of steps, e.g. log_every=10")
+    if isinstance(check_data, bool) or not isinstance(check_data, int) or check_data < 0:
+        raise InputError(f"check_data={check_data!r} must be a number of steps (0: no checks), e.g. check_data=3")
     if optimizer is not None and not callable(optimizer):
         raise InputError(
             f"optimizer must be a callable(params) -> torch.optim.Optimizer, got {type(optimizer).__name__}; "

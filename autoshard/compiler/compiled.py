@@ -48,3 +48,4 @@ class Compiled:
     timeout: float = 300.0  # seconds any collective or point-to-point wait may take before the step fails
     log_every: int = 0  # steps between progress lines through logging (0: none)
     torch_compile: TorchCompile | None = None  # how each rank graph is compiled (None: run eagerly)
+    check_data: int = 3  # first steps in which step() checks which ranks were handed the same rows

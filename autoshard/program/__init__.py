@@ -20,6 +20,7 @@ from torch import fx
 from autoshard.distributed.comm import CommCounter, is_comm_failure
 from autoshard.errors import DistributedError, InputError
 from autoshard.inspection.metrics import Monitor, StepMetrics
+from autoshard.program.data import check_rows
 from autoshard.program.rank_view import RankProgram
 from autoshard.program.state import StateMethods
 from autoshard.runtime.forward import ForwardRunner
@@ -46,6 +47,7 @@ class Program(StateMethods):
         self.analysis_log = compiled.analysis_log
         self.placements = compiled.placements
         self.comm = CommCounter()
+        self._data_checks = compiled.check_data
         self.training = True
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
@@ -156,6 +158,37 @@ class Program(StateMethods):
             )
         return self.runtime
 
+    # ---- data per rank (program/data.py) --------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of every global batch it trains on."""
+        return self.mesh.coords(self.rank)["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        """How many shares a global batch is cut into (the data-parallel degree)."""
+        return self.plan.dp
+
+    def data_loader(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        **kwargs: Any,
+    ) -> torch.utils.data.DataLoader:
+        """A DataLoader of this rank's share of every global batch of ``global_batch_size`` rows (a
+        DistributedSampler over the dp ranks: every rank of a tp group or pipeline gets the same rows; a rank
+        whose stages read no input loads nothing). ``kwargs`` go to the DataLoader (``collate_fn``,
+        ``num_workers``, ...); call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle."""
+        from autoshard.program.data import data_loader
+
+        runtime = self._runtime("data_loader()")
+        return data_loader(runtime, self.dp_rank, self.dp_size, dataset, global_batch_size, shuffle, seed, drop_last,
+                           **kwargs)  # fmt: skip
+
     def local_batch(self, global_tensor: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's rows of a global batch (contiguous slices in dp-rank order)."""
         if not isinstance(global_tensor, torch.Tensor) or global_tensor.dim() == 0:
@@ -178,6 +211,10 @@ class Program(StateMethods):
         flat = call.flatten_inputs(inputs, kwargs) + call.flatten_target(target)
         call.check_against(flat, runtime.input_shapes)
         try:
+            if self._data_checks > 0:  # the first steps: the ranks that share rows got the same ones
+                self._data_checks -= 1
+                self.comm.last_op = "check_rows"  # the all-gather of what each rank was handed
+                check_rows(runtime, flat)
             loss = runtime.step(flat)
         except RuntimeError as error:  # a peer died or stalled: say where, in one line
             if not is_comm_failure(error):
