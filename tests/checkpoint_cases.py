@@ -100,13 +100,12 @@ def save_errors(rank: int, world_size: int, family: str, mesh: dict, attempts: l
 
 
 def export_and_forward(rank: int, world_size: int, family: str, mesh: dict, plan: dict, directory: str) -> Any:
-    """Train two steps, export with save_full beside the model's config, and return the program's logits
-    on this rank's rows of a batch."""
+    """Train two steps, export with save_full (the weights and the model's config.json into ``directory``),
+    and return the program's logits on this rank's rows of a batch."""
     case, program = _program(family, mesh, dict(plan), 2)
     train_local_batches(program, case)
-    program.save_full(Path(directory) / "model.safetensors")
-    if rank == 0:
-        case.model.config.save_pretrained(directory)
+    written = program.save_full(directory)
+    assert written == (Path(directory) / "model.safetensors" if rank == 0 else None)
     ids = program.local_batch(case.batches[0].inputs[0])
     logits = program.eval()(ids, labels=ids).logits
     return {"logits": logits, "ids": ids}

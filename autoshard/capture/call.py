@@ -39,6 +39,15 @@ class CallSpec:
         if len(args) != self.n_args:
             raise InputError(f"expected {self.n_args} positional input tensor(s) as at compile time, got {len(args)}")
         expected = set(self.tensor_kwargs)
+        for key in sorted(set(kwargs) & set(self.const_kwargs)):
+            # A constant keyword was baked into the graph at compile time: the same value again is the same
+            # call; another value would need another graph.
+            if kwargs[key] != self.const_kwargs[key]:
+                raise InputError(
+                    f"{key}={kwargs[key]!r}: {key} was fixed at compile time as {self.const_kwargs[key]!r} (non-tensor "
+                    f"keywords are constants of the graph); compile again with {key}={kwargs[key]!r} to change it"
+                )
+        kwargs = {k: v for k, v in kwargs.items() if k not in self.const_kwargs}
         unknown = sorted(set(kwargs) - expected)
         missing = sorted(expected - set(kwargs))
         if unknown or missing:

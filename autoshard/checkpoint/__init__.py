@@ -300,10 +300,15 @@ def resume(rt: RankRuntime, directory: str | os.PathLike) -> Path | None:
 
 def save_full(rt: RankRuntime, path: str | os.PathLike, *, masters: bool = True) -> Path | None:
     """One safetensors file of the consolidated model (rank 0 writes it; a collective). With fp32
-    masters (bf16 parameters), the masters unless ``masters=False``."""
+    masters (bf16 parameters), the masters unless ``masters=False``. ``path``: the file, or a folder that
+    gets ``model.safetensors``; a Hugging Face model's ``config.json`` is written beside it, so
+    ``from_pretrained(folder)`` loads it."""
     from safetensors.torch import save_file
 
     path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
     parts = path.parent / f".{path.name}.parts"
     save(rt, parts)
     if rt.rank == 0:
@@ -317,6 +322,9 @@ def save_full(rt: RankRuntime, path: str | os.PathLike, *, masters: bool = True)
         dcp.load(reading, storage_reader=SafeReader(parts), no_dist=True)
         save_file({k: v.contiguous() for k, v in full.items()}, str(path))
         shutil.rmtree(parts, ignore_errors=True)
+        config = getattr(rt.compiled.model, "config", None)
+        if hasattr(config, "to_json_file"):  # a Hugging Face PretrainedConfig
+            config.to_json_file(str(path.parent / "config.json"))
     if dist.is_initialized():
         dist.barrier(group=rt.world_group)
     return path if rt.rank == 0 else None

@@ -138,13 +138,17 @@ class Monitor:
         self.history = (self.history + [metrics])[-3:]
         every = program.compiled.log_every
         if every and metrics.step % every == 0 and program.rank == 0:
-            log.info("%s", metrics.line())
+            if log.hasHandlers() and log.isEnabledFor(logging.INFO):
+                log.info("%s", metrics.line())
+            else:  # logging not configured for it: the line the user asked for, on stdout
+                print(metrics.line(), flush=True)
         self._profile_step()
         return metrics
 
     def peak_flops(self) -> float:
         hardware = self.program.plan_report.hardware
-        dtype = self.program.plan.param_dtype or next(self.program.compiled.model.parameters()).dtype
+        plan = self.program.plan  # what the matmuls run in: autocast's dtype, the cast parameters', the model's
+        dtype = plan.autocast or plan.param_dtype or next(self.program.compiled.model.parameters()).dtype
         return float(hardware.peak(dtype))
 
     # ---- profile -------------------------------------------------------------------------------
