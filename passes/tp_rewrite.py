@@ -125,7 +125,13 @@ class _Rewriter:
         whole, as_dst = f"{consumer.name} reads it whole", f"{consumer.name} reads it as {dst}"
         # Each step: (op, its extra arguments, placement made, forward and backward collective, layer,
         # why, shape of the result).
-        if isinstance(src, Shard) and dst == R and self.sequence_parallel and self._partial_grad_readers(source):
+        if (
+            isinstance(src, Shard)
+            and src.blocks == 1
+            and dst == R
+            and self.sequence_parallel
+            and self._partial_grad_readers(source)
+        ):
             # Sequence parallel's entry into a column-parallel region: all-gather forward, and backward
             # one reduce-scatter that both sums the ranks' partial gradients and keeps this rank's part.
             steps = [(tp_ops.gather_rs, (src.dim,), R, "all_gather", "reduce_scatter", here, whole,
@@ -140,7 +146,7 @@ class _Rewriter:
         elif isinstance(src, Partial) and dst == R:
             steps = [(tp_ops.all_reduce, (), R, "all_reduce", None, self._origin_layer(source), whole, full)]
         elif isinstance(src, Partial):
-            steps = [(tp_ops.reduce_scatter, (dst.dim,), dst, "reduce_scatter", "all_gather",
+            steps = [(tp_ops.reduce_scatter, (dst.dim, dst.blocks), dst, "reduce_scatter", "all_gather",
                       self._origin_layer(source), as_dst, _local_shape(full, dst, self.degree))]  # fmt: skip
         else:
             steps = [(tp_ops.scatter, (dst.dim, dst.blocks), dst, None, slice_bwd, here, as_dst,
@@ -265,6 +271,8 @@ class _Rewriter:
             ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
             node.target = tp_ops.vocab_parallel_cross_entropy
             node.args, node.kwargs = (self.tp, node.args[0], node.args[1], reduction, ignore), {}
+        elif target == aten.sym_size.int and isinstance(record.inputs[0], Shard):
+            self.whole_size(node, record.inputs[0])
         elif target in RANDOM and self._draws_on_shards(node):
             node.target = tp_ops.sharded_random
             node.args = (self.tp, target, *node.args)
@@ -279,6 +287,20 @@ class _Rewriter:
             share.meta[TP] = TpPlacement(out=R, inputs=(R,))
             node.replace_input_with(bias, share)
             self.partial_grad_params.add(bias.target)  # each rank's bias gradient is 1/tp of the whole
+
+    def whole_size(self, node: fx.Node, placement: Shard) -> None:
+        """A size read off a sharded dimension is the rank's part: times the degree, the whole tensor's
+        (what the rule promised and what later view sizes are divided from)."""
+        source, dim = node.args[:2]
+        if dim % len(get_shape(source).tensor.sizes) != placement.dim:
+            return
+        with self.graph.inserting_after(node):
+            whole = self.graph.call_function(operator.mul, (node, self.degree))
+        node.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+        whole.meta.update({k: v for k, v in node.meta.items() if k != SHAPE})
+        whole.meta[SHAPE] = get_shape(node)
+        node.meta[SHAPE] = NodeShape(scalar=get_shape(node).scalar / self.degree)
+        whole.meta[TP] = TpPlacement(out=R, inputs=(R,))
 
     def _draws_on_shards(self, node: fx.Node) -> bool:
         if node.target == aten.scaled_dot_product_attention.default:

@@ -166,9 +166,9 @@ def scatter(tp: UnboundTensorParallel, x: torch.Tensor, dim: int, blocks: int = 
     return _redistribute(tp, x, dim, blocks, "slice", "gather")
 
 
-def reduce_scatter(tp: UnboundTensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:
+def reduce_scatter(tp: UnboundTensorParallel, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Partial -> Shard (sequence parallel's exit from a row-parallel linear; backward: all-gather)."""
-    return _redistribute(tp, x, dim, 1, "reduce_scatter", "gather")
+    return _redistribute(tp, x, dim, blocks, "reduce_scatter", "gather")
 
 
 def gather_rs(tp: UnboundTensorParallel, x: torch.Tensor, dim: int) -> torch.Tensor:

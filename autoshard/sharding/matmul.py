@@ -43,9 +43,9 @@ def _matmul_weight(ctx: RuleInput) -> Decision:
     if isinstance(pw, Shard) and pw.dim == n_dim:  # column-parallel
         if px != R:
             want[x] = R
-        if isinstance(bias, fx.Node) and ctx.p(bias) != Shard(0, pw.blocks):
-            want[bias] = Shard(0, pw.blocks)
-        return Decision(Shard(last, pw.blocks), want, "column-parallel")
+        out = Shard(last, pw.blocks)
+        _bias_follows(ctx, bias, out, want)
+        return Decision(out, want, "column-parallel")
     if isinstance(pw, Shard) and pw.dim == k_dim and pw.blocks == 1:  # row-parallel
         if px != Shard(last):
             want[x] = Shard(last)
@@ -59,14 +59,24 @@ def _matmul_weight(ctx: RuleInput) -> Decision:
     if isinstance(pw, Shard):
         return replicate_all(ctx)
     if isinstance(px, Shard) and px.dim != last:
-        if isinstance(bias, fx.Node) and ctx.p(bias) != R:
-            want[bias] = R
+        _bias_follows(ctx, bias, px, want)
         return Decision(px, want)  # rows (batch or sequence) sharded, the weight whole
     if isinstance(px, Shard):
         want[x] = R
     if isinstance(bias, fx.Node) and ctx.p(bias) != R:
         want[bias] = R
     return Decision(R, want)
+
+
+def _bias_follows(ctx: RuleInput, bias: Any, out: Shard, want: dict[fx.Node, Placement]) -> None:
+    """The bias broadcasts onto the output from the right: sharded like it where it has that dimension
+    (addmm's bias may be [n], [1, n] or [m, n]), whole where it has none or only 1."""
+    if not isinstance(bias, fx.Node):
+        return
+    dim = out.dim - (len(ctx.out_sizes()) - ctx.ndim(bias))
+    target = R if dim < 0 or ctx.sizes(bias)[dim] == 1 else Shard(dim, out.blocks)
+    if ctx.p(bias) != target:
+        want[bias] = target
 
 
 def _bmm(ctx: RuleInput) -> Decision:
@@ -78,10 +88,11 @@ def _bmm(ctx: RuleInput) -> Decision:
     pa, pb = ctx.p(a), ctx.p(b)
     if isinstance(pa, Partial) or isinstance(pb, Partial):
         return replicate_all(ctx)
-    if isinstance(pa, Shard) and pa.dim < nd - 2:  # batch dims (heads) sharded alike
-        return Decision(pa, {} if pb == pa else {b: pa})
-    if isinstance(pb, Shard) and pb.dim < nd - 2:
-        return Decision(pb, {a: pb})
+    for px, other, po in ((pa, b, pb), (pb, a, pa)):
+        if isinstance(px, Shard) and px.dim < nd - 2:  # batch dims (heads) sharded alike
+            # matmul broadcasts a batch dimension of 1: that side stays whole
+            target = R if ctx.sizes(other)[px.dim] == 1 else px
+            return Decision(px, {} if po == target else {other: target})
     if pa == Shard(nd - 1) and pb == Shard(nd - 2):
         return Decision(P)
     if isinstance(pa, Shard) and pa.dim == nd - 2 and pb == R:

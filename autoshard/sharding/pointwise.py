@@ -63,13 +63,19 @@ def _linear_in_partials(ctx: RuleInput, inputs: list[fx.Node], placements: list[
     return len(inputs) == 1  # unary: neg, dtype casts, contiguous, clone
 
 
+def _type_as(ctx: RuleInput) -> Decision:
+    """type_as(x, other): a cast of x; ``other`` lends only its dtype, so its placement does not matter."""
+    return Decision(ctx.p(ctx.node.args[0]))
+
+
 RULES = table(
+    (_type_as, (aten.type_as.default,)),
     (
         _pointwise(linear=True),
         (
             aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
             aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
-            aten.clone.default, aten.alias.default, aten.type_as.default,
+            aten.clone.default, aten.alias.default,
         ),
     ),
     (

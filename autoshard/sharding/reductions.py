@@ -48,7 +48,8 @@ def _reduce_dims(ctx: RuleInput) -> Decision:
     p = ctx.p(x)
     nd = ctx.ndim(x)
     dims = ctx.arg(1, "dim")
-    dims = list(range(nd)) if dims is None else [norm_dim(d, nd) for d in (dims if isinstance(dims, list) else [dims])]
+    dims = dims if isinstance(dims, (list, tuple)) or dims is None else [dims]
+    dims = [norm_dim(d, nd) for d in dims] if dims else list(range(nd))  # none or [] reduce every dimension
     keepdim = ctx.arg(2, "keepdim", False)
     if isinstance(p, Shard) and p.dim not in dims:
         return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))

@@ -116,6 +116,8 @@ def _unsqueeze(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
 @_moves_shard
 def _squeeze_dim(ctx: RuleInput, x: fx.Node, p: Shard) -> Decision:
     dim = norm_dim(ctx.node.args[1], ctx.ndim(x))
+    if ctx.sizes(x)[dim] != 1:  # nothing to squeeze: the op keeps every dimension, unless a rank's part is 1
+        return replicate_all(ctx) if p.dim == dim else Decision(p)
     return Decision(Shard(p.dim - (p.dim > dim), p.blocks))
 
 
@@ -185,7 +187,7 @@ def _cat(ctx: RuleInput) -> Decision:
 
 
 def _sym_size(ctx: RuleInput) -> Decision:
-    return Decision(R)  # a size of the full tensor; the rewrite keeps it global
+    return Decision(R)  # the full tensor's size: passes.tp_rewrite scales a sharded dimension's back up
 
 
 def _no_output(ctx: RuleInput) -> Decision:
