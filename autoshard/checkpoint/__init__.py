@@ -191,8 +191,14 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
     info, metadata = read_info(path)
     stored = metadata.state_dict_metadata
     _check_model_keys(rt, stored)
-    # Parameters take the most precise stored value: the fp32 master where one was saved.
-    source = {k: f"master.{k}" for k in rt.tensors if f"master.{k}" in stored}
+    # Parameters take the most precise stored value: the fp32 master where one was saved. A tied weight's
+    # master is stored under one of its keys: every key of the tensor reads it (else the last key's
+    # rounded value would win).
+    master_of: dict[int, str] = {}
+    for key, tensor in rt.tensors.items():
+        if f"master.{key}" in stored:
+            master_of.setdefault(id(tensor), f"master.{key}")
+    source = {k: master_of[id(t)] for k, t in rt.tensors.items() if id(t) in master_of}
     regions = model_regions(rt, source)
     states: dict[int, dict[str, torch.Tensor]] = {}
     if rt.optimizer is not None:

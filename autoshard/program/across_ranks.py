@@ -19,7 +19,7 @@ from autoshard.ir.placements import OnStages, Shard
 if TYPE_CHECKING:
     from autoshard.runtime.rank import RankRuntime
 
-__all__ = ["full_state", "load_full_state", "local_state"]
+__all__ = ["full_state", "load_full_state", "local_state", "masters_kept"]
 
 
 def local_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
@@ -35,10 +35,21 @@ def _held(rt: RankRuntime, key: str) -> bool:
     return rt.compiled.placements[key].held_on(rt.coords["pp"])
 
 
-def full_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
-    """On rank 0: every key of the model's state dict, full shapes; elsewhere {}. A collective."""
+def masters_kept(rt: RankRuntime) -> bool:
+    """Whether the plan keeps fp32 master weights apart from the parameters (bf16 parameters, offload);
+    the same answer on every rank."""
+    plan = rt.plan
+    return plan.zero >= 1 and (plan.offload or plan.param_dtype not in (None, torch.float32))
+
+
+def full_state(rt: RankRuntime, masters: bool = False) -> dict[str, torch.Tensor]:
+    """On rank 0: every key of the model's state dict, full shapes; elsewhere {}. A collective.
+    ``masters``: trainable parameters as their fp32 masters where the plan keeps them apart."""
     placements = rt.compiled.placements
     whole = rt.holder.full_values()  # whole along dp (ZeRO-3 gathers)
+    masters = masters and masters_kept(rt)
+    if masters:
+        whole.update(rt.holder.master_values())
     values: dict[int, torch.Tensor] = {}
     for key, tensor in rt.tensors.items():
         if id(tensor) in values or not _held(rt, key):
@@ -55,7 +66,8 @@ def full_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
         keys = list(dict.fromkeys(k for k in rt.tensors if owner[k] == src))
         by_dtype: dict[torch.dtype, list[str]] = {}
         for key in keys:
-            by_dtype.setdefault(rt.tensors[key].dtype, []).append(key)
+            dtype = torch.float32 if masters and placements[key].trainable else rt.tensors[key].dtype
+            by_dtype.setdefault(dtype, []).append(key)
         for dtype, group in by_dtype.items():
             numels = [torch.Size(placements[k].shape).numel() for k in group]
             if rt.rank == src:
@@ -92,7 +104,9 @@ def load_full_state(rt: RankRuntime, state_dict: dict[str, torch.Tensor]) -> Non
         for key, tensor in rt.tensors.items():
             if not _held(rt, key):
                 continue
-            value = state_dict[key].to(device=rt.device, dtype=tensor.dtype)
+            value = state_dict[key].to(device=rt.device)
+            if id(tensor) not in in_holder or not value.is_floating_point():
+                value = value.to(tensor.dtype)  # a parameter keeps its precision: masters may take it
             tp = placements[key].tp
             if isinstance(tp, Shard) and rt.tp is not None:
                 value = tp.local(value, rt.tp.rank, rt.tp.degree)

@@ -54,16 +54,18 @@ class StateMethods:
         return state.local_state(self._runtime("state_dict()"))
 
     @collective("full_state_dict()")
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, *, masters: bool = False) -> dict[str, torch.Tensor]:
         """On rank 0: the original model's keys and full shapes; elsewhere an empty dict. A collective: call it
-        on every rank."""
+        on every rank. ``masters=True``: the trainable parameters as their fp32 masters where the plan keeps
+        them apart (bf16 parameters, offload), for a plan that computes in fp32 to load without rounding."""
         if self.runtime is None:
             return {k: v.detach().clone() for k, v in self.compiled.model.state_dict().items()}
-        return state.full_state(self.runtime)
+        return state.full_state(self.runtime, masters)
 
     @collective("load_state_dict()")
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (the original model's keys) on every rank; each keeps its share."""
+        """Load a full state dict (the original model's keys) on every rank; each keeps its share. Values more
+        precise than the parameters (fp32 into bf16) become the fp32 masters as they are."""
         state.load_full_state(self._runtime("load_state_dict()"), state_dict)
 
     # ---- checkpoints (autoshard/checkpoint/__init__.py) ------------------------------------------------

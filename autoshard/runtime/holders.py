@@ -133,10 +133,32 @@ class Holder:
     def full_values(self) -> dict[int, torch.Tensor]:
         return {id(p): p.detach() for p in self.params()}
 
+    def master_values(self) -> dict[int, torch.Tensor]:
+        """Every parameter's fp32 master, whole along dp (a collective); {} where the masters are the
+        parameters themselves (fp32 on the device)."""
+        if self.masters is None or not self.masters.separate:
+            return {}
+        out = {}
+        for g in self.order:
+            layout = self.layouts[g]
+            full = torch.empty(layout.padded, dtype=torch.float32, device=layout.device)
+            # Offloaded masters live on the host: through the device, where the collective runs.
+            self.comm.all_gather(full, self.masters.tensors[g].detach().to(layout.device).reshape(-1))
+            out.update({id(p): v.clone() for p, v in zip(layout.params, layout.views(full))})
+        return out
+
     def load_values(self, values: dict[int, torch.Tensor]) -> None:
         with torch.no_grad():
             for p in self.params():
                 p.copy_(values[id(p)])
+
+    def reload_masters(self, values: dict[int, torch.Tensor]) -> None:
+        """The masters from the loaded ``values`` at their own precision (fp32 values into bf16 parameters
+        keep their fp32 bits in the masters), not from the rounded parameters."""
+        if self.masters is not None:
+            self.masters.reload(
+                {g: self.layouts[g].own(self.layouts[g].flatten(torch.float32, values)) for g in self.order}
+            )
 
     def memory(self) -> dict[str, int]:
         raise NotImplementedError
@@ -329,7 +351,7 @@ class ShardedHolder(ShardedGrads):
 
     def load_values(self, values: dict[int, torch.Tensor]) -> None:
         super().load_values(values)
-        self.masters.reload()
+        self.reload_masters(values)
 
     def memory(self) -> dict[str, int]:
         grads = _nbytes([*self.grad_flats.values(), *(s for g, s in self.grad_shards.items() if self.stage == 2)])

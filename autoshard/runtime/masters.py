@@ -175,12 +175,13 @@ class Masters:
                     self.compute[g].copy_(master.detach())
                 master.grad = None
 
-    def reload(self) -> None:
-        """After the compute shards were overwritten (a state dict was loaded): copy them into the masters."""
+    def reload(self, values: dict[int, torch.Tensor] | None = None) -> None:
+        """After the compute shards were overwritten (a state dict was loaded): the masters from ``values``
+        (this rank's shard per group, at the precision it was loaded in), else from the compute shards."""
         if self.separate:
             with torch.no_grad():
                 for g, master in self.tensors.items():
-                    master.copy_(self.compute[g].detach())
+                    master.copy_((values[g] if values is not None else self.compute[g]).detach())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values()) if self.separate else 0

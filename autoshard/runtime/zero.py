@@ -208,7 +208,7 @@ class Zero3Holder(ShardedGrads):
         with torch.no_grad():
             for g, layout in self.layouts.items():
                 self.runtime.shards[g].copy_(layout.own(layout.flatten(values=values)))
-        self.masters.reload()
+        self.reload_masters(values)
 
     def memory(self) -> dict[str, int]:
         rt = self.runtime
