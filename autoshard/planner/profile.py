@@ -244,7 +244,9 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
     def add(name: str, members: list[fx.Node]) -> None:
         parts[name] = part_graph.extract(gm, members)
         mine = set()
-        for n in members:
+        # The name the part reads first: export may leave another name of a tied weight dangling (GPT-2's
+        # wte beside the lm_head name its embedding reads), whose placement no rule decides.
+        for n in sorted(members, key=lambda n: not n.users):
             if n.op == "get_attr":
                 key = id(operator.attrgetter(n.target)(gm))
                 if key not in taken:
