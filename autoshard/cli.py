@@ -42,16 +42,30 @@ def parse_mesh(text: str) -> Any:
     return Mesh(**degrees)
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
 def _parse_plan(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` words as plan fields: Python literals, bare words (schedule=1f1b, recompute=full), and the
+    switches written as a shell user writes them (offload=true, sequence_parallel=yes)."""
+    import dataclasses
+
+    from autoshard.spec.plan import Plan
+
+    switches = {f.name for f in dataclasses.fields(Plan) if f.type in (bool, "bool")}
     out = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
         if not eq or not key:
             raise CliError(f"--plan {pair!r} is not key=value (e.g. --plan zero=3 schedule=1f1b)")
+        if key in switches and value.lower() in _TRUE + _FALSE:
+            out[key] = value.lower() in _TRUE
+            continue
         try:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            out[key] = value  # a bare word: schedule=1f1b, recompute=full
+            out[key] = value.lower() if key == "schedule" else value  # a bare word: schedule=1F1B, recompute=full
     return out
 
 

@@ -69,3 +69,43 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, argv: list[str], message:
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1, err
+
+
+# What a user types after --plan, and what the chosen plan then shows (or the one-line error).
+PLAN_WORDS = [
+    (("--world", "2"), ("zero=3",), "zero=3"),
+    (("--world", "2"), ("offload=true",), "offload"),
+    (("--world", "2"), ("zero=2", "offload=yes"), "zero=2, offload"),
+    (("--world", "2"), ("zero=1", "param_dtype=bf16"), "param_dtype=bfloat16"),
+    (("--world", "2"), ("autocast=torch.bfloat16",), "autocast=bfloat16"),
+    (("--world", "2"), ("recompute=full",), "recompute=full"),
+    (("--world", "2"), ("bucket_mb=1",), "bucket=1MiB"),
+    (("--world", "2"), ("dropout_masks=single_device",), "dropout_masks=single_device"),
+    (("--mesh", "pp=2"), ("schedule=GPipe", "microbatches=2"), "schedule=gpipe, microbatches=2"),
+    (("--mesh", "tp=2"), ("sequence_parallel=on",), "sequence_parallel"),
+]
+
+
+@pytest.mark.parametrize(("where", "words", "shown"), PLAN_WORDS, ids=[" ".join(w[1]) for w in PLAN_WORDS])
+def test_plan_words_a_user_types(capsys, where: tuple, words: tuple, shown: str) -> None:
+    code, out, err = _run(capsys, "plan", "--model", "gpt2", *where, "--plan", *words)
+    assert code == 0, err
+    why = out.splitlines()[1]
+    assert why.startswith("why: Plan(") and shown in why.split(")")[0], why
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (("zero=three",), "plan field zero='three' must be one of 0, 1, 2, 3"),
+        (("zeros=3",), "did you mean 'zero'"),
+        (("offload=maybe",), "offload='maybe' must be True or False"),
+        (("microbatches=0",), "microbatches=0 must be a positive integer"),
+        (("zero=1", "param_dtype=int8"), "param_dtype='int8' is not a dtype"),
+        (("schedule=zb",), "schedule='zb' must be one of"),
+    ],
+)
+def test_plan_words_that_mean_nothing_are_one_line(capsys, words: tuple, message: str) -> None:
+    code, out, err = _run(capsys, "plan", "--model", "gpt2", "--world", "2", "--plan", *words)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1, err
