@@ -79,3 +79,23 @@ def test_log_every_and_profile_steps_must_be_positive() -> None:
     ids, target = successor_batch(0, 4, 8)
     with pytest.raises(autoshard.InputError, match="log_every=0 must be a positive number of steps"):
         autoshard.compile(TinyGPT(), 1, (ids,), loss_fn=next_token_loss, example_target=target, log_every=0)
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "plan", "peak_dtype"),
+    [
+        (torch.bfloat16, {}, torch.bfloat16),  # a model already in bf16, the plan casting nothing
+        (torch.float32, {"autocast": torch.bfloat16}, torch.bfloat16),
+        (torch.float32, {}, torch.float32),
+    ],
+    ids=["bf16-model", "fp32-model-autocast", "fp32"],
+)
+def test_mfu_is_against_the_peak_of_the_dtype_the_matmuls_run_in(model_dtype, plan, peak_dtype) -> None:
+    ids, target = successor_batch(0, 4, 16)
+    hardware = autoshard.Hardware.preset("cpu").with_(peak_flops={"float32": 1e11, "bfloat16": 4e11})
+    program = autoshard.compile(TinyGPT().to(model_dtype), 1, (ids,), loss_fn=next_token_loss,
+                                example_target=target, hardware=hardware, plan=plan,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=0.1), log_every=1)  # fmt: skip
+    program.step(ids, target=target)
+    m = program.metrics
+    assert m.mfu == pytest.approx(m.flops / (m.step_seconds * hardware.peak(peak_dtype)))

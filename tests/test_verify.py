@@ -41,6 +41,11 @@ def _faulty_rank(rank: int, world: int, fault: str) -> tuple[autoshard.inspectio
         if program.mesh.coords(rank)["tp"] == 1 and weight.numel():  # pp rank 1 released it
             weight.data.copy_(full["blocks.0.fc.weight"].chunk(2)[0])
         expected = "model_blocks_0_fc_weight"
+    elif fault == "one tp rank's replicated weight":  # the norm every tp rank holds whole, off on one of them
+        weight = stage0.get_parameter("model.blocks.0.ln_1.weight")
+        if program.mesh.coords(rank)["tp"] == 1 and weight.numel():
+            weight.data.mul_(1.5)
+        expected = "model_blocks_0_ln_1_weight"
     else:  # a missing send: stage 1 would wait forever for the hidden state
         send = next(n for n in stage0.graph.nodes if PIPE in n.meta and n.meta[PIPE].direction == "send")
         stage0.graph.erase_node(send)
@@ -50,14 +55,19 @@ def _faulty_rank(rank: int, world: int, fault: str) -> tuple[autoshard.inspectio
     return check(program, reference, (ids,), {}, target), expected
 
 
-@pytest.mark.parametrize("fault", ["dropped all-reduce", "wrong shard offset", "missing send"])
+@pytest.mark.parametrize(
+    "fault", ["dropped all-reduce", "wrong shard offset", "one tp rank's replicated weight", "missing send"]
+)
 def test_verify_names_the_node_of_a_broken_rewrite(ranks, fault: str) -> None:
     (report, expected), *_ = ranks(4).run(_faulty_rank, fault)
     assert not report.ok
     first = report.first
     assert first.node == expected, str(report)
-    kind = {"dropped all-reduce": "collective", "wrong shard offset": "activation", "missing send": "structure"}
+    kind = {"dropped all-reduce": "collective", "wrong shard offset": "activation", "missing send": "structure",
+            "one tp rank's replicated weight": "activation"}  # fmt: skip
     assert first.kind == kind[fault]
+    if fault == "one tp rank's replicated weight":  # each tp rank's copy of a replicated value is checked
+        assert first.placement == "R" and first.max_error > 0.1
     if fault != "missing send":
         assert first.stage == 0 and first.max_error > 1e-3
         before = report.checks[: report.checks.index(first)]
