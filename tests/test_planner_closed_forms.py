@@ -153,7 +153,7 @@ def test_the_gradient_reduction_hides_behind_the_last_backward_only(model_and_co
     is one microbatch's backward, whatever the count; what overlap cannot hide, at least the last bucket's
     share, is exposed. ZeRO 1-2 then gather the updated parameters, exposed whole."""
     case, costing = model_and_costing
-    plan = Plan(dp=DP, zero=zero, microbatches=micro, bucket_mb=0.25)
+    plan = Plan(dp=DP, zero=zero, microbatches=micro, bucket_mb=0.01)  # buckets of 10 kB: a dozen
     time = costing.candidate(plan, with_timeline=False).time
     rows = costing.sizes["B"] // DP // micro
     stage = costing._stages(plan, rows)[0]
@@ -163,10 +163,12 @@ def test_the_gradient_reduction_hides_behind_the_last_backward_only(model_and_co
     if zero == 0:
         seconds = grad_bytes * 2 * (DP - 1) / DP / BW  # ring all-reduce
         last = seconds * min(1.0, plan.bucket_bytes / grad_bytes)
-        expected = max(seconds - TOY.overlap * stage.backward, last)
     else:
         seconds = grad_bytes * (DP - 1) / DP / BW  # reduce-scatter
-        expected = max(seconds - TOY.overlap * stage.backward, seconds / calls)
+        last = seconds / calls
+    assert calls > 1 and seconds - TOY.overlap * stage.backward > last  # the window decides here
+    expected = max(seconds - TOY.overlap * stage.backward, last)
+    if zero:
         expected += grad_bytes * (DP - 1) / DP / BW  # the all-gather of the updated fp32 parameters
     assert time.dp_comm == pytest.approx(expected, rel=1e-9)
     assert time.compute == pytest.approx(micro * (stage.forward + stage.backward - stage.tp_comm), rel=1e-9)

@@ -64,6 +64,7 @@ SLICE = [
     ("offload", "zero3", "checkpoint"),
     ("bf16-zero3-offload", "tp", "state_dict"),
     ("pp", "bf16-zero3-offload", "state_dict"),
+    ("zero3", "bf16", "state_dict"),  # fp32 values into ZeRO-1's masters
 ]
 
 

@@ -608,7 +608,7 @@ MUTANTS: list[dict] = [
         "file": "autoshard/runtime/holders.py",
         "why": "load_state_dict into a plan with bf16 parameters rounds the fp32 values its masters should keep",
         "tests": ["tests/test_state_matrix.py"],
-        "k": "pp-bf16-zero3-offload-state_dict",
+        "k": "zero3-bf16-state_dict",
     },
     {
         "name": "81_full_state_dict_ignores_masters",
