@@ -9,6 +9,7 @@ start a pool once and send it many functions:
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import socket
@@ -35,7 +36,19 @@ def init_from_torchrun(timeout: timedelta | None = None) -> Any:
     _refuse_a_restart_on_the_shared_store()
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
+    atexit.register(_leave_process_group)
     return device
+
+
+def _leave_process_group() -> None:
+    """At exit, while the interpreter is whole: a script that never calls destroy_process_group() otherwise
+    leaves gloo's worker threads to the interpreter's teardown, which can abort the process
+    ("terminate called without an active exception"; pytorch/pytorch PR 179291 describes it) and fail
+    the torchrun job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"

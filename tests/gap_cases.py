@@ -189,27 +189,36 @@ def train_single_device_as_program(
     torch.set_num_threads(1)
     try:
         for batch in case.batches:
-            rows = batch.inputs[0].shape[0] // dp
-            total: list[torch.Tensor | None] = [None] * len(params)
-            loss_sum = 0.0
-            for r in range(dp):
-                part = slice(r * rows, (r + 1) * rows)
-                kwargs = {k: v[part] if isinstance(v, torch.Tensor) else v for k, v in batch.kwargs.items()}
-                local = Batch(tuple(x[part] for x in batch.inputs), kwargs, None)
-                model.zero_grad(set_to_none=True)
-                loss = _loss(case, local)
-                loss.backward()
-                loss_sum += loss.double().item()
-                for i, p in enumerate(params):
-                    share = p.grad / dp
-                    total[i] = share if total[i] is None else total[i] + share
+            loss, total = gradient_as_ranks_form_it(case, batch, params, dp)
             for master, grad in zip(masters, total):
                 master.grad = grad.float()
             opt.step()
             with torch.no_grad():
                 for p, m in zip(params, masters):
                     p.copy_(m)
-            losses.append(loss_sum / dp)
+            losses.append(loss)
     finally:
         torch.set_num_threads(threads)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def gradient_as_ranks_form_it(
+    case: Case, batch: Batch, params: list[nn.Parameter], dp: int
+) -> tuple[float, list[torch.Tensor]]:
+    """The mean loss and each parameter's gradient as ``dp`` ranks form it: each rank's rows backward in the
+    parameters' dtype, divided by dp and summed in it."""
+    rows = batch.inputs[0].shape[0] // dp
+    total: list[torch.Tensor | None] = [None] * len(params)
+    loss_sum = 0.0
+    for r in range(dp):
+        part = slice(r * rows, (r + 1) * rows)
+        kwargs = {k: v[part] if isinstance(v, torch.Tensor) else v for k, v in batch.kwargs.items()}
+        local = Batch(tuple(x[part] for x in batch.inputs), kwargs, None)
+        case.model.zero_grad(set_to_none=True)
+        loss = _loss(case, local)
+        loss.backward()
+        loss_sum += loss.double().item()
+        for i, p in enumerate(params):
+            share = p.grad / dp if dp > 1 else p.grad
+            total[i] = share if total[i] is None else total[i] + share
+    return loss_sum / dp, total

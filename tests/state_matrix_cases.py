@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from cases import adamw, build_case, train_local_batches
+from gap_cases import gradient_as_ranks_form_it
 from torch import nn
 
 import autoshard
@@ -86,7 +87,7 @@ def reference(first: str, then: str, fresh_optimizer: bool) -> tuple[float, dict
     params = list(model.parameters())
     masters = [nn.Parameter(p.detach().clone()) for p in params]
     optimizer = adamw(masters)
-    loss = 0.0
+    loss = 0.0  # the last step's
     for step, batch in enumerate(case.batches):
         _, _, dtype, dp = PLANS[first if step < K else then]
         if step == K and fresh_optimizer:
@@ -95,19 +96,7 @@ def reference(first: str, then: str, fresh_optimizer: bool) -> tuple[float, dict
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)
-        rows = batch.inputs[0].shape[0] // dp
-        total: list[torch.Tensor | None] = [None] * len(params)
-        loss = 0.0
-        for r in range(dp):
-            part = slice(r * rows, (r + 1) * rows)
-            kwargs = {k: v[part] if isinstance(v, torch.Tensor) else v for k, v in batch.kwargs.items()}
-            model.zero_grad(set_to_none=True)
-            out = model(*(x[part] for x in batch.inputs), **kwargs)
-            out.loss.backward()
-            loss += out.loss.double().item() / dp
-            for i, p in enumerate(params):
-                share = p.grad / dp if dp > 1 else p.grad
-                total[i] = share if total[i] is None else total[i] + share
+        loss, total = gradient_as_ranks_form_it(case, batch, params, dp)
         for m, grad in zip(masters, total):
             m.grad = grad.float()
         optimizer.step()

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from autoshard.distributed.tracing import span
 
-__all__ = ["CommCounter", "same_view"]
+__all__ = ["CommCounter", "all_gather_tensor", "same_view"]
 
+# torch 2.13 renames the single-tensor collectives (the old names warn); older releases have only those.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather = all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 _OWN = object()  # all_reduce's default: this counter's own group

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from autoshard.distributed.comm import all_gather_tensor
 from autoshard.errors import DistributedError, InputError
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def check_rows(rt: RankRuntime, flat: list[torch.Tensor]) -> None:
         [_fingerprint(flat, rt.device), torch.tensor(float(reads_inputs(rt)), dtype=torch.float64, device=rt.device)]
     )
     everyone = torch.empty(rt.mesh.size * 2, dtype=torch.float64, device=rt.device)
-    dist.all_gather_into_tensor(everyone, mine, group=rt.world_group)
+    all_gather_tensor(everyone, mine, group=rt.world_group)
     prints, reads = everyone[0::2].tolist(), everyone[1::2].tolist()
     shares = {}
     for dp, ranks in _groups(rt):
