@@ -11,6 +11,7 @@ __all__ = [
     "MeshError",
     "MissingMetaError",
     "PlanError",
+    "first_line",
 ]
 
 
@@ -44,3 +45,10 @@ class DistributedError(AutoshardError, RuntimeError):
 
 class MissingMetaError(AutoshardError, LookupError):
     """A pass read a node.meta key that the pass producing it has not written."""
+
+
+def first_line(error: BaseException, limit: int) -> str:
+    """An exception's first line, at most ``limit`` characters, for a one-line message that quotes it; its type
+    when it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__

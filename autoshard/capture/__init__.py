@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autoshard.capture.blocks import TRACED, RepeatedBlocks, find_repeated_blocks, trace_stamped
 from autoshard.capture.call import CallSpec, normalize_inputs, split_kwargs
 from autoshard.capture.regions import inline_grad_regions, recording_checkpoints
-from autoshard.errors import AutoshardError, CaptureError, InputError
+from autoshard.errors import AutoshardError, CaptureError, InputError, first_line
 from autoshard.ir.meta import MODEL_ATTR
 
 __all__ = ["CallSpec", "Captured", "capture"]
@@ -196,7 +196,7 @@ def _trace(
             error = err
     if ep is None:
         assert error is not None
-        summary = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
+        summary = first_line(error, 400)
         where = _user_frame(error) or "(no frame of the model's own code in the traceback)"
         raise CaptureError(
             f"autoshard could not capture {name} with torch.export (non-strict, batch dimension dynamic): "

@@ -30,15 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from autoshard.checkpoint import regions as held  # what this rank holds, as regions of the stored tensors
 from autoshard.checkpoint.chunks import PiecesLoadPlanner, PiecesSavePlanner, SafeReader
-from autoshard.checkpoint.regions import (
-    Region,
-    as_pieces,
-    master_regions,
-    model_regions,
-    optimizer_params,
-    optimizer_regions,
-)
 from autoshard.errors import InputError
 from autoshard.runtime.optim import IMPLEMENTATION_FLAGS
 
@@ -106,10 +99,10 @@ def save(rt: RankRuntime, path: str | os.PathLike, extra: dict | None = None) ->
         except OSError as error:
             problem = f"cannot write a checkpoint at {path}: {error}"
     _agree(rt, problem)
-    regions = model_regions(rt) + master_regions(rt)
+    regions = held.model_regions(rt) + held.master_regions(rt)
     if rt.optimizer is not None:
-        regions += optimizer_regions(rt, {id(p): s for p, s in rt.optimizer.state.items()})
-    state: dict[str, Any] = {**as_pieces(regions), **_rng_state(rt)}
+        regions += held.optimizer_regions(rt, {id(p): s for p, s in rt.optimizer.state.items()})
+    state: dict[str, Any] = {**held.as_pieces(regions), **_rng_state(rt)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=PiecesSavePlanner(),
              process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
     if rt.rank == 0:
@@ -168,7 +161,7 @@ def _check_model_keys(rt: RankRuntime, stored: dict[str, Any]) -> None:
 
 
 def _load_into_new_buffers(
-    rt: RankRuntime, path: Path, regions: list[Region], plain: dict[str, torch.Tensor]
+    rt: RankRuntime, path: Path, regions: list[held.Region], plain: dict[str, torch.Tensor]
 ) -> list[tuple]:
     """Read ``regions`` and ``plain`` tensors from the checkpoint into new buffers; (live, new) pairs."""
     pairs, shadow = [], []
@@ -176,7 +169,7 @@ def _load_into_new_buffers(
         new = torch.empty_like(region.storage)
         pairs.append((region.storage, new))
         shadow.append(dataclasses.replace(region, storage=new))
-    state: dict[str, Any] = {**as_pieces(shadow), **plain}
+    state: dict[str, Any] = {**held.as_pieces(shadow), **plain}
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=PiecesLoadPlanner(),
                  process_group=rt.world_group, no_dist=not dist.is_initialized())  # fmt: skip
@@ -199,7 +192,7 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
         if f"master.{key}" in stored:
             master_of.setdefault(id(tensor), f"master.{key}")
     source = {k: master_of[id(t)] for k, t in rt.tensors.items() if id(t) in master_of}
-    regions = model_regions(rt, source)
+    regions = held.model_regions(rt, source)
     states: dict[int, dict[str, torch.Tensor]] = {}
     if rt.optimizer is not None:
         groups = info["param_groups"]
@@ -211,7 +204,7 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
         # torch's rule for scalar state (the step count): on the host, except for fused or capturable kernels
         kernels_on_device = [g for g in rt.optimizer.param_groups if g.get("fused") or g.get("capturable")]
         on_device = {id(p) for g in kernels_on_device for p in g["params"]}
-        for opt_param, covered in optimizer_params(rt):
+        for opt_param, covered in held.optimizer_params(rt):
             prefix = f"optim.{covered[0][0]}."
             names = [f.removeprefix(prefix) for f in stored if f.startswith(prefix) and "." not in f[len(prefix) :]]
             scalar_device = opt_param.device if id(opt_param) in on_device else torch.device("cpu")
@@ -223,7 +216,7 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
                 )
                 for name in names
             }
-        regions += optimizer_regions(rt, states)
+        regions += held.optimizer_regions(rt, states)
     same_mesh = info["world_size"] == rt.mesh.size and info["mesh"] == _mesh_of(rt)
     mine = f"rng.{rt.rank}."
     rng = {  # every generator this rank saved, including streams this program has not drawn from yet
@@ -235,14 +228,14 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
     pairs = _load_into_new_buffers(rt, path, regions, rng)
     master_pairs = []
     if rt.holder.masters is not None and rt.holder.masters.separate:
-        master_pairs = _load_into_new_buffers(rt, path, master_regions(rt, source), {})
+        master_pairs = _load_into_new_buffers(rt, path, held.master_regions(rt, source), {})
     # Everything read: now change the program's state.
     with torch.no_grad():
         for live, new in pairs + master_pairs:
             if live.data_ptr() != new.data_ptr():
                 live.copy_(new)
     if rt.optimizer is not None:
-        by_id = {id(p): p for p, _ in optimizer_params(rt)}
+        by_id = {id(p): p for p, _ in held.optimizer_params(rt)}
         for pid, state in states.items():
             if state:
                 rt.optimizer.state[by_id[pid]] = state

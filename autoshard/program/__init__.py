@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard.distributed.comm import CommCounter, is_comm_failure
-from autoshard.errors import DistributedError, InputError
+from autoshard.errors import DistributedError, InputError, first_line
 from autoshard.inspection.metrics import Monitor, StepMetrics
 from autoshard.program.data import check_rows
 from autoshard.program.rank_view import RankProgram
@@ -219,7 +219,7 @@ class Program(StateMethods):
         except RuntimeError as error:  # a peer died or stalled: say where, in one line
             if not is_comm_failure(error):
                 raise
-            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            first = first_line(error, 300)
             raise DistributedError(
                 f"rank {self.rank}: step {runtime.steps + 1} failed in {self.comm.last_op or 'a collective'} "
                 f"(timeout {self.compiled.timeout:g}s; another rank died or stalled): {first}"

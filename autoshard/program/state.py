@@ -13,7 +13,7 @@ import torch
 
 from autoshard import checkpoint
 from autoshard.distributed.comm import is_comm_failure
-from autoshard.errors import AutoshardError, DistributedError
+from autoshard.errors import AutoshardError, DistributedError, first_line
 from autoshard.program import across_ranks as state
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,7 +31,7 @@ def collective(what: str) -> Callable[[F], F]:
             except RuntimeError as error:
                 if isinstance(error, AutoshardError) or not is_comm_failure(error):
                     raise
-                first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+                first = first_line(error, 200)
                 raise DistributedError(
                     f"{what} is a collective: every rank must call it, at the same point of the program; a rank "
                     f"that did not (or that failed) left this one waiting ({first})"
