@@ -498,8 +498,11 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
     mine = sorted({int(name.split(".")[1]) for name in program.for_rank(rank).placements})
     stage_module = torch.nn.Sequential(*(model().blocks[i] for i in mine))
     stage = pipelining.PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
-    schedule_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
-    theirs = schedule_cls(stage, n_microbatches=cfg["microbatches"], loss_fn=mse)
+    if schedule == "zb_h1":  # torch's zero-bubble schedule, one stage a rank
+        theirs = pipelining.ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg["microbatches"], loss_fn=mse)
+    else:
+        schedule_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+        theirs = schedule_cls(stage, n_microbatches=cfg["microbatches"], loss_fn=mse)
     their_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
 
     def their_step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -593,6 +596,45 @@ def bench_pipeline() -> None:
                 ours / theirs,
                 "<= 1.0",
             )
+
+
+def bench_zero_bubble() -> None:
+    """ZB-H1 against 1F1B on the same blocks and ranks, one run: idle time per rank (what W fills) and the
+    step against torch.distributed.pipelining's ScheduleInterleavedZeroBubble (one stage a rank)."""
+    cfg = PIPE
+    m = cfg["microbatches"]
+    for ranks in (4, 2):
+        results = {}
+        for schedule in ("1f1b", "zb_h1"):
+            with LocalRanks(ranks) as pool:
+                results[schedule] = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=3)
+        idle = {s: statistics.mean(r["idle"] for r in results[s]) for s in results}
+        report(
+            f"pp={ranks} m={m}: mean idle fraction per rank, zb_h1 vs 1f1b",
+            f"{idle['zb_h1']:.3f}",
+            f"1f1b {idle['1f1b']:.3f}",
+            idle["zb_h1"] / idle["1f1b"],
+            "<= 0.55",
+        )
+        step = {
+            (s, who): statistics.median(t for r in results[s] for t in r["timings"][who])
+            for s in results
+            for who in ("autoshard", "torch")
+        }
+        report(
+            f"pp={ranks} m={m}: zb_h1 step (gloo, CPU)",
+            f"{step['zb_h1', 'autoshard'] * 1e3:.1f} ms",
+            f"torch ScheduleInterleavedZeroBubble {step['zb_h1', 'torch'] * 1e3:.1f} ms",
+            step["zb_h1", "autoshard"] / step["zb_h1", "torch"],
+            "<= 1.0",
+        )
+        report(
+            f"pp={ranks} m={m}: zb_h1 step vs autoshard's 1f1b",
+            f"{step['zb_h1', 'autoshard'] * 1e3:.1f} ms",
+            f"1f1b {step['1f1b', 'autoshard'] * 1e3:.1f} ms",
+            step["zb_h1", "autoshard"] / step["1f1b", "autoshard"],
+            "reported",
+        )
 
 
 TP = {"blocks": 4, "width": 512, "heads": 8, "batch": 4, "seq": 64}
@@ -794,6 +836,7 @@ BENCHMARKS = {
     "zero": bench_zero_vs_torch,
     "zero-memory": bench_zero_memory_table,
     "pipeline": bench_pipeline,
+    "zero-bubble": bench_zero_bubble,
     "tp": bench_tp,
     "fsdp-tp": bench_fsdp_tp,
     "recompute": lambda: bench_recompute(report),

@@ -26,6 +26,7 @@ from . import (
     shape_prop,
     tp_placement,
     tp_rewrite,
+    weight_grad_split,
     zero3_gather_free,
     zero_groups,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "shape_prop",
     "tp_placement",
     "tp_rewrite",
+    "weight_grad_split",
     "zero3_gather_free",
     "zero_groups",
 ]
@@ -71,6 +73,7 @@ ALL = (
     zero_groups.PASS,
     pipeline_stages.PASS,
     zero3_gather_free.PASS,
+    weight_grad_split.PASS,
     recompute.PASS,
     saved_tensors.PASS,
 )

@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "all_nodes",
     "check_graph",
+    "is_trainable_parameter",
     "run_pass",
     "run_steps",
 ]
@@ -46,13 +47,14 @@ class Scope:
     test: Callable[[fx.GraphModule, fx.Node], bool]
 
 
-def _trainable_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
+def is_trainable_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A used get_attr node of a parameter that trains."""
     return node.op == "get_attr" and bool(node.users) and SHAPE in node.meta and node.meta[SHAPE].requires_grad
 
 
 EVERY_NODE = Scope("every node but the output", lambda gm, node: node.op != "output")
 CALLS = Scope("every call_function node", lambda gm, node: node.op == "call_function")
-PARAMETERS = Scope("every used trainable parameter (get_attr)", _trainable_parameter)
+PARAMETERS = Scope("every used trainable parameter (get_attr)", is_trainable_parameter)
 
 
 def calls_to(name: str, *functions: Any) -> Scope:

@@ -17,6 +17,7 @@ from autoshard.passes.tp_rewrite import collectives_by_layer
 from torch import nn
 
 import autoshard
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS
 
 GLOBAL_BATCH = 8
 SEQ = 12
@@ -360,12 +361,14 @@ def train_pipeline(
     case = build_case(family, steps, **shape)
     program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
     norms: list[float | None] = []
+    deferred_before = WEIGHT_GRADS.deferred_total
     losses, volumes = train_local_batches(program, case, norms)
     stats = program.pipeline_stats
     return {
         "losses": losses,
         "state": program.full_state_dict(),
         "peak_in_flight": stats.peak_in_flight,
+        "weight_grads_deferred": WEIGHT_GRADS.deferred_total - deferred_before,  # held back by B for W
         "microbatch_sizes": stats.microbatch_sizes,
         "idle_fraction": stats.idle_fraction,
         "param_names": [name for name, _ in program.named_parameters()],

@@ -14,7 +14,7 @@ from torch import nn
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.plan import Plan
+from autoshard.spec.plan import Plan, splits_backward
 from autoshard.spec.schedules import Schedule, build_schedule
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "check_options",
     "generator_state",
     "optimizer_template",
+    "check_split_backward",
     "schedule_for",
 ]
 
@@ -111,3 +112,21 @@ def generator_state(model: nn.Module) -> torch.Tensor | None:
     if device.type == "meta":
         return None
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def check_split_backward(plan: Plan, torch_compile: object) -> None:
+    """A zero-bubble schedule (W apart from B) with what cannot hold its weight gradients back yet."""
+    if not splits_backward(plan):
+        return
+    if torch_compile:
+        raise PlanError(
+            f"schedule={plan.schedule_name} splits each stage's backward into B and W in the eager stage graphs; "
+            f"torch_compile=True compiles a stage's backward as one graph, which autoshard does not split yet: "
+            f"use torch_compile=False with it, or schedule='1f1b'"
+        )
+    if plan.zero == 3:
+        raise PlanError(
+            f"schedule={plan.schedule_name} computes weight gradients in W, after B; ZeRO-3 frees a layer's "
+            f"gathered parameters once its backward ran, before W could read them: use zero=1 or 2 with "
+            f"{plan.schedule_name}, or schedule='1f1b' with zero=3"
+        )

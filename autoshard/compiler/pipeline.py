@@ -11,6 +11,7 @@ pass manager (passes/infra.py ``run_steps``) runs them and logs each result:
     pipeline_stages               pp > 1: one graph a stage, its boundaries recv and send nodes
     and on each graph (each stage's):
       zero3_gather_free           ZeRO-3: gather a layer's parameters before use, free them after
+      weight_grad_split           a zero-bubble schedule: matmuls hold their weight gradients for W
       recompute                   the plan's recomputation regions
       saved_tensors               what autograd keeps for backward (explain(), the report)
 """
@@ -28,6 +29,7 @@ from autoshard.errors import PlanError
 from autoshard.ir.meta import MODEL_PREFIX
 from autoshard.ir.placements import Shard
 from autoshard.passes.infra import PassResult, Step, run_pass
+from autoshard.spec.plan import splits_backward
 
 if TYPE_CHECKING:
     from autoshard.ir.meta import MaskSpec
@@ -125,6 +127,8 @@ STEPS: tuple[Step[Build], ...] = (
     Step(passes.pipeline_stages.PASS, lambda b: b.plan.pp > 1, _pipeline_stages),
     Step(passes.zero3_gather_free.PASS, lambda b: b.plan.zero == 3,
          lambda b, gm: run_pass(passes.zero3_gather_free.PASS, gm), per_graph=True),
+    Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan),
+         lambda b, gm: run_pass(passes.weight_grad_split.PASS, gm), per_graph=True),
     Step(passes.recompute.PASS, lambda b: True,
          lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute), per_graph=True),
     Step(passes.saved_tensors.PASS, lambda b: True, _saved_tensors, per_graph=True),

@@ -16,7 +16,7 @@ from autoshard.errors import PlanError
 from autoshard.planner.costing import Costing
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.plan import Plan, is_mixed_precision
+from autoshard.spec.plan import Plan, is_mixed_precision, splits_backward
 
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
@@ -105,7 +105,10 @@ def enumerate_plans(
                     for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
                         for fields in _pipeline_options(pp, local, overrides, costing, fixed_mesh):
                             base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
-                            yield Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
+                            plan = Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
+                            if zero == 3 and splits_backward(plan) and "zero" not in overrides:
+                                continue  # W reads weights ZeRO-3 has freed after B (compile refuses the pair)
+                            yield plan
 
 
 def _pipeline_options(

@@ -3,6 +3,10 @@
 A schedule (autoshard/spec/schedules.py) becomes an integer table once; each simulation runs the table's
 actions in order on every rank, an action starting when its rank is free and what it needs has arrived
 (the producing action's end, plus the send between stages when they sit on different ranks).
+
+Where a schedule splits backward, B (input gradients) and W (weight gradients) each take half of the
+stage's backward: a matmul's backward is two matmuls of its forward's size, one for each. (B also holds
+the non-matmul work and attention's activation-by-activation matmuls, so W's true share is somewhat less.)
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ import functools
 from dataclasses import dataclass
 from typing import Protocol
 
-from autoshard.spec.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b
+from autoshard.spec.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
-__all__ = ["StageCost", "built", "labels", "simulate", "simulate_shared", "table"]
+__all__ = ["StageCost", "built", "costs", "labels", "simulate", "simulate_shared", "table"]
 
 
 class StageCost(Protocol):
@@ -32,20 +36,22 @@ def built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedul
         return gpipe(pp, microbatches)
     if name == "1f1b":
         return one_f_one_b(pp, microbatches)
+    if name == "zb_h1":
+        return zb_h1(pp, microbatches)
     return interleaved_1f1b(pp, microbatches, virtual_stages)
 
 
 @dataclass(frozen=True)
 class Table:
-    """A schedule as integers, to simulate fast: per rank its actions as (index, stage, forward, index of the
-    action it receives from or -1, the stage whose boundary the transfer crosses or -1)."""
+    """A schedule as integers, to simulate fast: per rank its actions as (index, stage, cost slot, index of the
+    action it needs or -1, the stage whose boundary the transfer crosses or -1). Cost slots: the stages'
+    forwards, backwards, then split backwards' B and W (``costs``)."""
 
-    ranks: tuple[tuple[tuple[int, int, bool, int, int], ...], ...]
+    ranks: tuple[tuple[tuple[int, int, int, int, int], ...], ...]
     in_flight: tuple[int, ...]
     # Every action once as (rank, index, cost slot, need, link), each after the one it needs and after its
-    # rank's previous one: times follow from that order alone, so a simulation is one pass over it. The
-    # cost slot indexes forwards then backwards; need and link are -1 where there is none, which reads the
-    # zero appended to the finish times and the sends.
+    # rank's previous one: times follow from that order alone, so a simulation is one pass over it. Need
+    # and link are -1 where there is none, which reads the zero appended to the finish times and the sends.
     order: tuple[tuple[int, int, int, int, int], ...]
 
 
@@ -55,21 +61,25 @@ def table(schedule: Schedule) -> Table:
     # builds tables of a million actions.
     keys = [(a.stage, a.kind, a.microbatch) for actions in schedule.ranks for a in actions]
     index = {key: i for i, key in enumerate(keys)}
-    last, pp = schedule.n_stages - 1, schedule.pp
+    last, pp, n = schedule.n_stages - 1, schedule.pp, schedule.n_stages
+    split = schedule.splits_backward
     rows, i = [], 0
     for rank, actions in enumerate(schedule.ranks):
         row = []
         for _ in actions:
             stage, kind, microbatch = keys[i]
             if kind == "F":
-                need = (stage - 1, "F", microbatch) if stage > 0 else None
+                need, slot = ((stage - 1, "F", microbatch) if stage > 0 else None), stage
+            elif kind == "W":
+                need, slot = (stage, "B", microbatch), 3 * n + stage
             else:
                 need = (stage, "F", microbatch) if stage == last else (stage + 1, "B", microbatch)
+                slot = (2 * n if split else n) + stage
             link = min(stage, need[0]) if need is not None and need[0] % pp != rank else -1
-            row.append((i, stage, kind == "F", index[need] if need is not None else -1, link))
+            row.append((i, stage, slot, index[need] if need is not None else -1, link))
             i += 1
         rows.append(tuple(row))
-    return Table(tuple(rows), tuple(schedule.peak_in_flight()), _order(rows, i, schedule.n_stages))
+    return Table(tuple(rows), tuple(schedule.peak_in_flight()), _order(rows, i))
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,9 +88,13 @@ def labels(schedule: Schedule) -> tuple[str, ...]:
     return tuple(str(a) for actions in schedule.ranks for a in actions)
 
 
-def _order(
-    rows: list[tuple[tuple[int, int, bool, int, int], ...]], count: int, n_stages: int
-) -> tuple[tuple[int, ...], ...]:
+def costs(stages: tuple[StageCost, ...]) -> list[float]:
+    """Seconds per cost slot: each stage's forward, backward, and its backward's B and W halves."""
+    backward = [s.backward for s in stages]
+    return [s.forward for s in stages] + backward + [b / 2 for b in backward] + [b / 2 for b in backward]
+
+
+def _order(rows: list[tuple[tuple[int, int, int, int, int], ...]], count: int) -> tuple[tuple[int, ...], ...]:
     """The actions in an order that runs each one after what it needs (a schedule that deadlocks: the
     actions before the deadlock; compile names the rule it breaks)."""
     done = [False] * count
@@ -92,8 +106,8 @@ def _order(
         for rank, actions in enumerate(rows):
             c = cursor[rank]
             while c < len(actions) and (actions[c][3] < 0 or done[actions[c][3]]):
-                index, stage, is_forward, need, link = actions[c]
-                order.append((rank, index, stage if is_forward else n_stages + stage, need, link))
+                index, stage, slot, need, link = actions[c]
+                order.append((rank, index, slot, need, link))
                 done[index] = True
                 c += 1
                 progressed = True
@@ -108,7 +122,7 @@ def simulate(
     """Run the schedule's action table with each stage's costs: (makespan, busy seconds per rank, and with
     ``timeline`` per rank its (action, start, end))."""
     steps = table(schedule)
-    cost = [s.forward for s in stages] + [s.backward for s in stages]
+    cost = costs(stages)
     send = [s.send for s in stages] + [0.0]
     names = labels(schedule) if timeline else ()
     finish = [0.0] * (sum(len(r) for r in steps.ranks) + 1)  # the last: the zero of no need
@@ -136,8 +150,7 @@ def simulate_shared(
     ``copies`` ranks run each pipeline rank's actions in step (dp x tp per stage). A pipeline's ranks then
     compute faster while the others wait in the bubble, as they do on shared cores."""
     steps = table(schedule)
-    forward = [s.forward for s in stages]
-    backward = [s.backward for s in stages]
+    cost = costs(stages)
     send = [s.send for s in stages]
     names = labels(schedule) if timeline else ()
     finish = [-1.0] * sum(len(r) for r in steps.ranks)
@@ -151,7 +164,7 @@ def simulate_shared(
         for rank in range(pp):
             if rank in running or cursor[rank] >= len(steps.ranks[rank]):
                 continue
-            index, stage, is_forward, need, link = steps.ranks[rank][cursor[rank]]
+            index, stage, slot, need, link = steps.ranks[rank][cursor[rank]]
             if need >= 0:
                 if finish[need] < 0:
                     continue
@@ -159,7 +172,7 @@ def simulate_shared(
                 if ready > now * (1 + 1e-12):
                     waits.append(ready)
                     continue
-            running[rank] = [index, forward[stage] if is_forward else backward[stage], now]
+            running[rank] = [index, cost[slot], now]
         if not running:
             if not waits:
                 break  # done, or a custom schedule that deadlocks: compile names the rule it breaks

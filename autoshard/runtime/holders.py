@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from autoshard.distributed.comm import CommCounter, same_view
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS
 from autoshard.runtime.flat import FlatLayout
 from autoshard.runtime.masters import Masters
 from autoshard.runtime.optim import weak_grad_hook
@@ -66,6 +67,8 @@ class InOrderLauncher:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         group = self.group_of.get(id(param))
+        if WEIGHT_GRADS.holds_back(param):
+            return  # a zero-bubble B held this weight's gradient back, or an earlier microbatch's W runs
         if group not in self.armed or id(param) in self.arrived:
             return  # an earlier microbatch, a backward outside step(), or a second arrival
         self.arrived.add(id(param))

@@ -5,7 +5,10 @@ rank of stage ``s - 1``, runs the stage graph (its ``recv`` nodes read them, its
 hand over what goes on) and sends those to the rank of stage ``s + 1``. The backward action
 ``B(s, m)`` receives the gradients of what was sent, runs autograd from the stage's sent tensors
 (the last stage: from its loss, scaled by 1/microbatches so that gradients are the mean over
-microbatches) and sends back the gradients of what was received.
+microbatches) and sends back the gradients of what was received. In a zero-bubble schedule B holds
+the weight gradients of the stage's matmuls back (graph_ops/weight_grad.py) and ``W(s, m)`` computes
+them; the stage's gradient reduction is armed at its last B as always, and only its last W's
+weight gradients count as arrivals.
 
 Sends are asynchronous and receives are posted one action ahead, so a rank waits only for data it
 needs now; the schedule's validator has shown that no rank waits forever. Every boundary tensor
@@ -15,8 +18,9 @@ evaluated in the microbatch's sizes (``B``, ``S``), which every rank reads off i
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.pipeline import PipelineChannel
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, DeferredWeightGrad
 from autoshard.ir.meta import TensorShape, evaluate_expr
 from autoshard.passes.pipeline_stages import StageGraph
 from autoshard.spec.schedules import Action, Schedule
@@ -70,6 +75,12 @@ def split_microbatches(
 
 
 # ---- the schedule runner ------------------------------------------------------------------------
+@contextlib.contextmanager
+def _no_collect() -> Iterator[None]:
+    yield None
+
+
+
 @dataclass
 class PipelineStats:
     """One step of this rank, measured: wall time of the schedule, time spent computing, activations held."""
@@ -149,11 +160,14 @@ class PipelineRunner:
         self.stats = PipelineStats()
         self._shape_cache: dict[tuple, list[int]] = {}  # (symbolic sizes, symbol values) -> sizes
         self._sends: list[Any] = []  # this step's isend handles, waited for at its end
-        last_backward = {}
+        last_backward, last_w = {}, {}
         for i, action in enumerate(self.actions):
             if action.kind == "B":
                 last_backward[action.stage] = i
+            elif action.kind == "W":
+                last_w[action.stage] = i
         self.final_backward = set(last_backward.values())  # positions of each stage's last backward
+        self.final_w = set(last_w.values())  # and of its last W, where backward is split
 
     # -- inputs ---------------------------------------------------------------------------------
     def split(self, flat: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], dict[str, int]]:
@@ -168,6 +182,8 @@ class PipelineRunner:
     ) -> _Posted | None:
         """Post the receives an action needs: activations for F, gradients of sent tensors for B."""
         io = (stages or self.stages)[action.stage]
+        if action.kind == "W":
+            return None  # local: what its B held back
         if action.kind == "F":
             if action.stage == 0:
                 return None
@@ -217,6 +233,8 @@ class PipelineRunner:
         per_mb, sizes = self.split(flat)
         self.channel.sizes = sizes
         held: dict[tuple[int, int], _Held] = {}
+        held_back: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # B ran, W has not
+        collect = WEIGHT_GRADS.collect if self.schedule.splits_backward else _no_collect
         loss_sum: torch.Tensor | None = None
         stats = PipelineStats(microbatch_sizes=dict(sizes))
         start = time.perf_counter()
@@ -240,21 +258,24 @@ class PipelineRunner:
                         detached = loss.detach()
                         loss_sum = detached.clone() if loss_sum is None else loss_sum + detached
                     held[(action.stage, action.microbatch)] = _Held(received, outputs, loss)
-                    stats.peak_in_flight = max(stats.peak_in_flight, len(held))
+                    stats.peak_in_flight = max(stats.peak_in_flight, len(held) + len(held_back))
+                elif action.kind == "W":
+                    deferred = held_back.pop((action.stage, action.microbatch))
+                    WEIGHT_GRADS.apply(deferred, completes=i in self.final_w)
                 else:
                     if i in self.final_backward:
                         before_final_backward(action.stage)
                     h = held.pop((action.stage, action.microbatch))
-                    if action.stage == self.n_stages - 1:
-                        h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
-                    else:
-                        pairs = [
-                            (out, grad)
-                            for out, grad in zip((o for o, s in zip(h.outputs, io.send) if s.requires_grad), received)
-                            if out.requires_grad
-                        ]
-                        if pairs:
-                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    with collect() as deferred:
+                        if action.stage == self.n_stages - 1:
+                            h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
+                        else:
+                            sent = (o for o, s in zip(h.outputs, io.send) if s.requires_grad)
+                            pairs = [(out, grad) for out, grad in zip(sent, received) if out.requires_grad]
+                            if pairs:
+                                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    if deferred is not None:
+                        held_back[(action.stage, action.microbatch)] = deferred
                     if action.stage > 0:
                         grads = [
                             t.grad if t.grad is not None else torch.zeros_like(t)

@@ -11,11 +11,20 @@ import torch
 
 from autoshard.errors import PlanError
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.schedules import Schedule
+from autoshard.spec.schedules import SPLIT_BACKWARD, Schedule
 
-__all__ = ["DROPOUT_MASKS", "RECOMPUTE", "SCHEDULES", "Plan", "is_mixed_precision", "parse_dtype", "resolve_plan"]
+__all__ = [
+    "DROPOUT_MASKS",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "Plan",
+    "is_mixed_precision",
+    "parse_dtype",
+    "resolve_plan",
+    "splits_backward",
+]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 DROPOUT_MASKS = ("per_rank", "single_device")
@@ -260,3 +269,12 @@ def resolve_plan(plan: Any) -> dict[str, Any]:
                     )
         return dict(plan)
     raise PlanError(f'plan must be "auto", an autoshard.Plan, or a dict of Plan fields, got {plan!r}')
+
+
+def splits_backward(plan: Plan) -> bool:
+    """Whether the plan's pipeline runs backward as B and W apart (a zero-bubble schedule)."""
+    if plan.pp == 1:
+        return False
+    if isinstance(plan.schedule, Schedule):
+        return plan.schedule.splits_backward
+    return plan.schedule in SPLIT_BACKWARD

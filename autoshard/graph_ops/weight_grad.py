@@ -1,0 +1,148 @@
+"""Matrix multiplies whose weight gradient can be held back: the B / W split of zero-bubble pipelines.
+
+passes/weight_grad_split rewrites ``linear``, ``addmm`` and ``mm`` nodes whose weight is a trainable
+parameter into ``matmul_deferring_weight_grad``. Its backward computes the input's (and the bias's)
+gradient at once, as the op's own backward would; the weight's gradient too, unless a pipeline's B
+is collecting (``WEIGHT_GRADS.collect()``): then it keeps the two factors of that gradient (the
+matmul's input and its output's gradient) and returns none, and the schedule's W for that stage and
+microbatch computes them later (``apply``), accumulating into ``.grad`` through autograd so that the
+gradient hooks (dp buckets, ZeRO reduce-scatter) see them as they see any other.
+
+Under autocast the op runs as autocast runs a matmul (its inputs cast to the autocast dtype) and its
+gradients come back in the dtypes of its inputs, as the casts' own backward returns them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["WEIGHT_GRADS", "DeferredWeightGrad", "WeightGradStore", "matmul_deferring_weight_grad"]
+
+aten = torch.ops.aten
+KINDS = ("linear", "addmm", "mm")  # linear(x, W[n,k], b); addmm(b, x, W[k,n]); mm(x, W[k,n])
+
+
+@dataclass
+class DeferredWeightGrad:
+    """One matmul's held-back weight gradient: its two factors and the parameter it belongs to."""
+
+    kind: str
+    weight: torch.Tensor
+    inputs: torch.Tensor  # the matmul's input as the op read it (cast, under autocast)
+    grad_output: torch.Tensor
+
+    def compute(self) -> torch.Tensor:
+        x = self.inputs.reshape(-1, self.inputs.shape[-1])
+        g = self.grad_output.reshape(-1, self.grad_output.shape[-1])
+        grad = g.t().mm(x) if self.kind == "linear" else x.t().mm(g)
+        return grad.to(self.weight.dtype)
+
+
+@dataclass
+class WeightGradStore:
+    """Where B keeps what W will compute; None while nobody collects (weight gradients at once).
+
+    Autograd still runs a held-back weight's accumulation step in B, with no gradient, and that fires its
+    post-accumulate hook; ``holds_back`` tells the gradient hooks to count no arrival then, nor during a
+    W that does not complete its stage's gradients (an earlier microbatch's, after the stage was armed).
+    """
+
+    pending: list[DeferredWeightGrad] | None = None
+    deferred_total: int = 0  # how many weight gradients were held back, ever (tests, the report)
+    quiet: bool = False
+    _held: set[int] = field(default_factory=set)  # ids of the weights whose gradient this B held back
+
+    def holds_back(self, param: torch.Tensor) -> bool:
+        """Whether a gradient hook firing for ``param`` now is not its gradient's arrival."""
+        return self.quiet or id(param) in self._held
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[list[DeferredWeightGrad]]:
+        """Inside, deferring matmuls keep their weight gradients in the list handed out."""
+        outer, self.pending = self.pending, []
+        try:
+            yield self.pending
+        finally:
+            self.pending = outer
+            self._held.clear()
+
+    def hold(self, deferred: DeferredWeightGrad) -> None:
+        assert self.pending is not None
+        self.pending.append(deferred)
+        self._held.add(id(deferred.weight))
+        self.deferred_total += 1
+
+    def apply(self, deferred: list[DeferredWeightGrad], completes: bool = True) -> None:
+        """W: compute the held-back weight gradients and accumulate them, one backward call a weight (so
+        each parameter's gradient hook fires once, with every contribution in). ``completes``: whether
+        this is the stage's last W, whose accumulations are the gradients' arrivals."""
+        if not deferred:
+            return
+        summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for item in deferred:
+            grad = item.compute()
+            weight, total = summed.get(id(item.weight), (item.weight, None))
+            summed[id(item.weight)] = (weight, grad if total is None else total + grad)
+        weights, grads = zip(*summed.values())
+        self.quiet = not completes
+        try:
+            torch.autograd.backward(list(weights), list(grads))
+        finally:
+            self.quiet = False
+        deferred.clear()
+
+
+WEIGHT_GRADS = WeightGradStore()
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class _DeferringMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        device_type = x.device.type
+        cast = _autocast_dtype(device_type)
+        ctx.kind, ctx.weight, ctx.dtypes = kind, weight, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.bias_shape = None if bias is None else bias.shape
+        if cast is not None:  # as autocast runs the matmul: every input in its dtype
+            x, weight = x.to(cast), weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
+        with torch.autocast(device_type, enabled=False):
+            if kind == "linear":
+                out = aten.linear.default(x, weight, bias)
+            elif kind == "addmm":
+                out = aten.addmm.default(bias, x, weight)
+            else:
+                out = aten.mm.default(x, weight)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_x = grad_output.matmul(weight) if ctx.kind == "linear" else grad_output.mm(weight.t())
+            grad_x = grad_x.to(x_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_output.sum_to_size(ctx.bias_shape).to(bias_dtype)  # the bias broadcast over rows
+        if ctx.needs_input_grad[2]:
+            deferred = DeferredWeightGrad(ctx.kind, ctx.weight, x, grad_output)
+            if WEIGHT_GRADS.pending is not None:
+                WEIGHT_GRADS.hold(deferred)
+            else:
+                grad_weight = deferred.compute().to(weight_dtype)
+        return None, grad_x, grad_weight, grad_bias
+
+
+def matmul_deferring_weight_grad(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``kind`` is the op rewritten: ``linear`` (x, W[n,k], b), ``addmm`` (x, W[k,n], b), ``mm`` (x, W[k,n])."""
+    return _DeferringMatmul.apply(kind, x, weight, bias)

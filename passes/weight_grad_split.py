@@ -1,0 +1,82 @@
+"""Zero-bubble pipelines: split each stage's backward into B (input gradients) and W (weight gradients).
+
+Reads:  autoshard.shape (get_attr nodes: which are trainable parameters)
+Writes: nothing (replaces matmul nodes; the new node keeps the old node's meta)
+
+Before::
+
+    w = get_attr[model.h.0.fc.weight]
+    y = aten.linear(x, w, b)
+
+After::
+
+    y = matmul_deferring_weight_grad("linear", x, w, b)
+
+The new op computes what the old one did; in its backward the gradient of ``x`` (and of the bias)
+comes at once and that of ``w`` waits for the schedule's W when a pipeline's B collects them
+(autoshard/graph_ops/weight_grad.py). Rewritten: ``linear``, ``addmm`` (without beta or alpha) and
+``mm`` whose weight is a trainable parameter that only such matmuls read in this graph; a parameter
+read by anything else (an embedding and a tied output projection in one stage) keeps its gradient in
+B, so that each parameter's gradient arrives whole in one place. What W leaves out (biases, norms,
+embeddings) is small next to the matmuls it takes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoshard.graph_ops.weight_grad import matmul_deferring_weight_grad
+from autoshard.ir.meta import SHAPE
+
+from .infra import PARAMETERS, Need, Pass, PassResult, is_trainable_parameter
+
+__all__ = ["PASS", "run"]
+
+aten = torch.ops.aten
+# op -> (kind, index of x, index of the weight, index of the bias or None)
+_MATMULS = {
+    aten.linear.default: ("linear", 0, 1, 2),
+    aten.addmm.default: ("addmm", 1, 2, 0),
+    aten.mm.default: ("mm", 0, 1, None),
+}
+
+
+def _rewritable(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _MATMULS or node.kwargs:
+        return False  # addmm's beta / alpha (kwargs) scale what the deferred gradient would not
+    _, _, wi, _ = _MATMULS[node.target]
+    return len(node.args) > wi and isinstance(node.args[wi], fx.Node)
+
+
+def run(gm: fx.GraphModule) -> PassResult:
+    graph = gm.graph
+    def only_a_matmul_weight(node: fx.Node) -> bool:
+        return all(_rewritable(u) and u.args[_MATMULS[u.target][2]] is node for u in node.users)
+
+    weights = {node for node in graph.nodes if is_trainable_parameter(gm, node) and only_a_matmul_weight(node)}
+    rewritten = 0
+    for node in list(graph.nodes):
+        if not _rewritable(node):
+            continue
+        kind, xi, wi, bi = _MATMULS[node.target]
+        if node.args[wi] not in weights:
+            continue
+        bias = node.args[bi] if bi is not None and len(node.args) > bi else None
+        with graph.inserting_before(node):
+            new = graph.call_function(matmul_deferring_weight_grad, (kind, node.args[xi], node.args[wi], bias))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        rewritten += 1
+    gm.recompile()
+    kept = sum(1 for n in graph.nodes if is_trainable_parameter(gm, n)) - len(weights)
+    return PassResult(
+        "weight_grad_split",
+        rewritten > 0,
+        f"{rewritten} matmuls defer their weight gradient to W ({len(weights)} weights; {kept} parameters in B)",
+        value=rewritten,
+    )
+
+
+PASS = Pass("weight_grad_split", reads=(Need(SHAPE, PARAMETERS),), writes=(), run=run)

@@ -1,0 +1,162 @@
+"""Zero-bubble pipelines: backward split into B (input gradients) and W (weight gradients).
+
+Schedules as data (tier 1): ZB-H1 keeps every rule, holds no more microbatches than 1F1B's first rank, and
+its simulated bubble shrinks. On real gloo ranks (tier 2): equal to single-device training, with the
+weight gradients of the stages' matmuls computed in W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from cases import train_pipeline, train_single_device
+from hypothesis import given
+from hypothesis import strategies as st
+from test_pipeline import ATOL, RTOL
+from test_tp import TP_ATOL
+
+from autoshard.compiler.checks import check_split_backward
+from autoshard.errors import PlanError
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, matmul_deferring_weight_grad
+from autoshard.planner.simulate import simulate
+from autoshard.spec.plan import Plan
+from autoshard.spec.schedules import Action, Schedule, ScheduleError, build_schedule, one_f_one_b, zb_h1
+
+
+@dataclass(frozen=True)
+class Cost:
+    forward: float
+    backward: float
+    send: float = 0.0
+
+
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_zb_h1_is_valid_and_holds_at_most_what_1f1b_holds_on_its_first_rank(pp: int, m: int) -> None:
+    schedule = zb_h1(pp, m)
+    schedule.validate()
+    assert schedule.splits_backward
+    for rank, actions in enumerate(schedule.ranks):
+        kinds = [a.kind for a in actions]
+        assert kinds.count("W") == kinds.count("B") == kinds.count("F") == m
+        # Forwards and B's run in 1F1B's order: the split only adds W's.
+        assert [a for a in actions if a.kind != "W"] == list(one_f_one_b(pp, m).ranks[rank])
+    assert max(schedule.peak_in_flight()) == max(one_f_one_b(pp, m).peak_in_flight())
+
+
+@pytest.mark.parametrize(("pp", "m", "most"), [(4, 8, 0.55), (2, 8, 0.55)])
+def test_zb_h1_bubble_against_1f1b_when_b_and_w_are_each_a_forward(pp: int, m: int, most: float) -> None:
+    """F, B and W one unit each (1F1B's backward two): the simulated idle share per rank."""
+    stages = tuple(Cost(1.0, 2.0) for _ in range(pp))
+    makespan_zb, busy_zb, _ = simulate(zb_h1(pp, m), stages)
+    makespan_1f1b, busy_1f1b, _ = simulate(one_f_one_b(pp, m), stages)
+    assert busy_zb == busy_1f1b  # the same work
+    idle_zb = 1 - sum(busy_zb) / (pp * makespan_zb)
+    idle_1f1b = 1 - sum(busy_1f1b) / (pp * makespan_1f1b)
+    assert idle_zb <= most * idle_1f1b, (idle_zb, idle_1f1b)
+
+
+def test_the_validator_knows_w_follows_its_b_and_comes_once_for_each() -> None:
+    good = str(zb_h1(2, 2))
+    early = good.replace("0B0 0W0", "0W0 0B0")
+    with pytest.raises(ScheduleError, match=r"rule 2: .* runs 0W0 before its backward 0B0"):
+        Schedule.parse(early).validate()
+    missing = good.replace(" 0W1", "")
+    with pytest.raises(ScheduleError, match=r"rule 1: .* never runs 0W1"):
+        Schedule.parse(missing).validate()
+    assert "0W1" in build_schedule("zb_h1", 2, 2).table()
+    assert Action.parse("3W7") == Action(3, "W", 7)
+
+
+def test_a_zero_bubble_schedule_refuses_what_cannot_hold_weight_gradients_back() -> None:
+    with pytest.raises(PlanError, match="ZeRO-3 frees .* use zero=1 or 2 with zb_h1"):
+        check_split_backward(Plan(pp=2, dp=2, zero=3, schedule="zb_h1", microbatches=2), None)
+    with pytest.raises(PlanError, match="torch_compile=True .* use torch_compile=False with it"):
+        check_split_backward(Plan(pp=2, schedule="zb_h1", microbatches=2), object())
+    check_split_backward(Plan(pp=2, dp=2, zero=3, schedule="1f1b", microbatches=2), object())
+
+
+@pytest.mark.parametrize("kind", ["linear", "addmm", "mm"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_deferring_matmul_equals_the_op_and_its_gradients_exactly(kind: str, autocast) -> None:
+    """Forward, input and bias gradients at once; the weight's in W: bit for bit what the op gives."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8) if kind == "linear" else torch.randn(6, 8)
+    x.requires_grad_(True)
+    weight = torch.nn.Parameter(torch.randn(5, 8) if kind == "linear" else torch.randn(8, 5))
+    bias = None if kind == "mm" else torch.nn.Parameter(torch.randn(5))
+    aten = torch.ops.aten
+    ops = {"linear": lambda: aten.linear(x, weight, bias), "addmm": lambda: aten.addmm(bias, x, weight)}
+    ops["mm"] = lambda: aten.mm(x, weight)
+    arrivals = []
+    weight.register_post_accumulate_grad_hook(lambda p: arrivals.append(WEIGHT_GRADS.holds_back(p)))
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            return fn()
+
+    reference = run(ops[kind])
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+    expected = [t.grad.clone() for t in (x, weight, bias) if t is not None]
+    for t in (x, weight, bias):
+        if t is not None:
+            t.grad = None
+    arrivals.clear()
+    out = run(lambda: matmul_deferring_weight_grad(kind, x, weight, bias))
+    assert torch.equal(out, reference)
+    with WEIGHT_GRADS.collect() as deferred:
+        out.backward(grad)
+    assert weight.grad is None and len(deferred) == 1
+    assert arrivals in ([], [True])  # autograd's empty accumulation in B is no arrival
+    WEIGHT_GRADS.apply(deferred)
+    assert arrivals[-1] is False and not deferred
+    got = [t.grad for t in (x, weight, bias) if t is not None]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+# (family, mesh, plan, layers): the schedules' edge cases: tied embedding across four stages, dp with
+# ZeRO's reduce-scatter after the last W, tp collectives inside B, recomputed regions replayed in B.
+ZB_RUNS = {
+    "gpt2-pp4": ("gpt2", {"pp": 4}, {"microbatches": 8}, 4),
+    "llama-pp4": ("llama", {"pp": 4}, {"microbatches": 8}, 4),
+    "gpt2-dp2xpp2-zero1": ("gpt2", {"dp": 2, "pp": 2}, {"microbatches": 4, "zero": 1}, 2),
+    "llama-dp2xpp2-zero2": ("llama", {"dp": 2, "pp": 2}, {"microbatches": 4, "zero": 2}, 2),
+    "llama-tp2xpp2": ("llama", {"tp": 2, "pp": 2}, {"microbatches": 4}, 2),
+    "gpt2-pp2-recompute": ("gpt2", {"pp": 2}, {"microbatches": 4, "recompute": "full"}, 2),
+    "bert-dp2xpp2": ("bert", {"dp": 2, "pp": 2}, {"microbatches": 2}, 2),
+}
+
+
+@pytest.mark.parametrize("run", list(ZB_RUNS))
+def test_zb_h1_matches_single_device(ranks, run: str) -> None:
+    family, mesh, plan, layers = ZB_RUNS[run]
+    world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]
+    results = ranks(world).run(train_pipeline, family, mesh, {"schedule": "zb_h1", **plan}, layers=layers)
+    ref_losses, ref_state = train_single_device(family, layers=layers)
+    atol = TP_ATOL if mesh.get("tp", 1) > 1 else ATOL  # tp's all-reduces sum in another order
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+        # every stage's matmuls hold their weight gradients for W (each step, each microbatch); no more
+        # microbatches in flight than pp
+        assert result["weight_grads_deferred"] >= 3 * plan["microbatches"], result["weight_grads_deferred"]
+        assert result["peak_in_flight"] <= mesh["pp"]
+    state = results[0]["state"]
+    assert set(state) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("run", ["llama-tp2xpp2", "gpt2-dp2xpp2-zero1"])
+def test_zb_h1_computes_what_1f1b_computes_bit_for_bit(ranks, run: str) -> None:
+    """The split reorders work, not arithmetic: the same ops on the same values, summed in the same order."""
+    family, mesh, plan, layers = ZB_RUNS[run]
+    world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]
+    states = [
+        ranks(world).run(train_pipeline, family, mesh, {"schedule": schedule, **plan}, layers=layers)[0]["state"]
+        for schedule in ("1f1b", "zb_h1")
+    ]
+    for key, value in states[0].items():
+        assert torch.equal(states[1][key], value), key
