@@ -51,6 +51,7 @@ def _rewritable(node: fx.Node) -> bool:
 
 def run(gm: fx.GraphModule) -> PassResult:
     graph = gm.graph
+
     def only_a_matmul_weight(node: fx.Node) -> bool:
         return all(_rewritable(u) and u.args[_MATMULS[u.target][2]] is node for u in node.users)
 

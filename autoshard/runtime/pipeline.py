@@ -80,7 +80,6 @@ def _no_collect() -> Iterator[None]:
     yield None
 
 
-
 @dataclass
 class PipelineStats:
     """One step of this rank, measured: wall time of the schedule, time spent computing, activations held."""
