@@ -680,4 +680,25 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_data_per_rank.py"],
         "k": "global_batch",
     },
+    {
+        "name": "91_zero_bubble_counts_a_held_back_weight_in_b",
+        "file": "autoshard/runtime/holders.py",
+        "why": "the empty accumulation autograd runs for a weight whose gradient B held back counts as its arrival",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "matches_single_device and dp2",
+    },
+    {
+        "name": "92_zero_bubble_every_w_completes_its_stage",
+        "file": "autoshard/runtime/pipeline.py",
+        "why": "an earlier microbatch's W after the stage's last B counts as the weights' final arrival",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "matches_single_device and dp2",
+    },
+    {
+        "name": "93_zb_h1_holds_one_w_too_many",
+        "file": "autoshard/spec/schedules.py",
+        "why": "ZB-H1 keeps one W more than its rank index back: more activations than 1F1B's first rank",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "holds_at_most",
+    },
 ]
