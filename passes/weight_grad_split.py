@@ -16,9 +16,9 @@ The new op computes what the old one did; in its backward the gradient of ``x`` 
 comes at once and that of ``w`` waits for the schedule's W when a pipeline's B collects them
 (autoshard/graph_ops/weight_grad.py). Rewritten: ``linear``, ``addmm`` (without beta or alpha) and
 ``mm`` whose weight is a trainable parameter that only such matmuls read in this graph; a parameter
-read by anything else (an embedding and a tied output projection in one stage) keeps its gradient in
-B, so that each parameter's gradient arrives whole in one place. What W leaves out (biases, norms,
-embeddings) is small next to the matmuls it takes.
+read by anything else (an embedding and a tied output projection in one stage), or by another stage
+of the same rank, keeps its gradient in B, so that each parameter's gradient arrives whole in one
+place. What W leaves out (biases, norms, embeddings) is small next to the matmuls it takes.
 """
 
 from __future__ import annotations
@@ -49,13 +49,20 @@ def _rewritable(node: fx.Node) -> bool:
     return len(node.args) > wi and isinstance(node.args[wi], fx.Node)
 
 
-def run(gm: fx.GraphModule) -> PassResult:
+def run(gm: fx.GraphModule, keep_in_b: frozenset[int] | set[int] = frozenset()) -> PassResult:
+    """``keep_in_b``: ids of parameters whose gradient stays in B (read by another stage of the same rank)."""
     graph = gm.graph
 
     def only_a_matmul_weight(node: fx.Node) -> bool:
         return all(_rewritable(u) and u.args[_MATMULS[u.target][2]] is node for u in node.users)
 
-    weights = {node for node in graph.nodes if is_trainable_parameter(gm, node) and only_a_matmul_weight(node)}
+    weights = {
+        node
+        for node in graph.nodes
+        if is_trainable_parameter(gm, node)
+        and only_a_matmul_weight(node)
+        and id(gm.get_parameter(node.target)) not in keep_in_b
+    }
     rewritten = 0
     for node in list(graph.nodes):
         if not _rewritable(node):

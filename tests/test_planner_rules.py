@@ -26,7 +26,7 @@ from autoshard.planner.search import SIMPLER_WITHIN
 from autoshard.planner.simulate import simulate, simulate_shared
 from autoshard.planner.stages import Stage as _Stage
 from autoshard.spec.plan import Plan
-from autoshard.spec.schedules import build_schedule
+from autoshard.spec.schedule_builders import build_schedule
 
 HW = Hardware.preset("a100-80gb")
 

@@ -9,15 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.spec.schedules import (
-    Action,
-    Schedule,
-    ScheduleError,
-    build_schedule,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-)
+from autoshard.spec.schedule_builders import build_schedule, gpipe, interleaved_1f1b, one_f_one_b
+from autoshard.spec.schedules import Action, Schedule, ScheduleError
 
 shapes = st.tuples(st.integers(1, 6), st.integers(1, 10))
 

@@ -92,6 +92,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     checks.check_split_backward(chosen, request)
     template, opt_groups = checks.optimizer_template(optimizer, model, chosen)
     build = Build(captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups)
+    build.schedule = schedule
     run_steps(STEPS, build)
     log.info("plan %s: %s", chosen, report.reason)
     compiled = Compiled(

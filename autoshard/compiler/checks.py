@@ -15,7 +15,8 @@ from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, splits_backward
-from autoshard.spec.schedules import Schedule, build_schedule
+from autoshard.spec.schedule_builders import build_schedule
+from autoshard.spec.schedules import Schedule
 
 __all__ = [
     "check_batch",

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from autoshard.passes.saved_tensors import ActivationMemory
     from autoshard.passes.tp_placement import TpReport
     from autoshard.spec.plan import Plan
+    from autoshard.spec.schedules import Schedule
 
 __all__ = ["STEPS", "Build"]
 
@@ -58,6 +59,7 @@ class Build:
     stages_of: dict[int, frozenset[int]] = field(default_factory=dict)  # id(tensor) -> stages reading it
     stages: list[StageGraph] = field(default_factory=list)
     saved: list[tuple[str, ActivationMemory]] = field(default_factory=list)
+    schedule: Schedule | None = None  # the pipeline's (None without one)
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
@@ -109,6 +111,14 @@ def _pipeline_stages(b: Build, gm: fx.GraphModule) -> PassResult:
     return result
 
 
+def _weight_grad_split(b: Build, gm: fx.GraphModule) -> PassResult:
+    # A parameter that two stages of one rank read (a tied embedding at both ends of a V) gets gradient
+    # from each; it keeps its own in B, so that it arrives whole at one stage's last backward.
+    assert b.schedule is not None
+    shared = {pid for pid, stages in b.stages_of.items() if len({b.schedule.rank_of(s) for s in stages}) < len(stages)}
+    return run_pass(passes.weight_grad_split.PASS, gm, shared)
+
+
 def _saved_tensors(b: Build, gm: fx.GraphModule) -> PassResult:
     result = run_pass(passes.saved_tensors.PASS, gm, b.kernels, False, b.plan.autocast)
     b.saved.append((f"stage {len(b.saved)}" if b.stages else "graph", result.value))
@@ -127,8 +137,7 @@ STEPS: tuple[Step[Build], ...] = (
     Step(passes.pipeline_stages.PASS, lambda b: b.plan.pp > 1, _pipeline_stages),
     Step(passes.zero3_gather_free.PASS, lambda b: b.plan.zero == 3,
          lambda b, gm: run_pass(passes.zero3_gather_free.PASS, gm), per_graph=True),
-    Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan),
-         lambda b, gm: run_pass(passes.weight_grad_split.PASS, gm), per_graph=True),
+    Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan), _weight_grad_split, per_graph=True),
     Step(passes.recompute.PASS, lambda b: True,
          lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute), per_graph=True),
     Step(passes.saved_tensors.PASS, lambda b: True, _saved_tensors, per_graph=True),

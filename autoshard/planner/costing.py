@@ -100,7 +100,7 @@ class Costing:
                 no_send = run([dataclasses.replace(s, send=0.0) for s in stages])[0]
             per_rank_tp = [0.0] * plan.pp
             for index, s in enumerate(stages):
-                per_rank_tp[index % plan.pp] += plan.microbatches * s.tp_comm
+                per_rank_tp[schedule.rank_of(index)] += plan.microbatches * s.tp_comm
             slowest = max(range(plan.pp), key=busy.__getitem__)
             tp_comm = per_rank_tp[slowest]
             compute = busy[slowest] - tp_comm

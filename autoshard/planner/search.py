@@ -127,10 +127,12 @@ def _pipeline_options(
         if "pp_cuts" in overrides and overrides["pp_cuts"] is not None:  # the cuts fix the stage count
             stages = len(overrides["pp_cuts"]) + 1
             vs = [stages // pp] if stages % pp == 0 else [1]
-            if (schedule == "interleaved_1f1b") != (vs[0] > 1):
+            if (schedule in ("interleaved_1f1b", "zbv")) != (vs[0] > 1) or (schedule == "zbv" and vs[0] != 2):
                 continue
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
+        elif schedule == "zbv":
+            vs = [2] if costing.allows(pp=2 * pp) else []
         else:
             if overrides.get("virtual_stages", 1) != 1:
                 continue

@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass
 from typing import Protocol
 
-from autoshard.spec.schedules import Schedule, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from autoshard.spec.schedule_builders import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv
+from autoshard.spec.schedules import Schedule
 
 __all__ = ["StageCost", "built", "costs", "labels", "simulate", "simulate_shared", "table"]
 
@@ -38,6 +39,8 @@ def built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedul
         return one_f_one_b(pp, microbatches)
     if name == "zb_h1":
         return zb_h1(pp, microbatches)
+    if name == "zbv":
+        return zbv(pp, microbatches)
     return interleaved_1f1b(pp, microbatches, virtual_stages)
 
 
@@ -61,7 +64,7 @@ def table(schedule: Schedule) -> Table:
     # builds tables of a million actions.
     keys = [(a.stage, a.kind, a.microbatch) for actions in schedule.ranks for a in actions]
     index = {key: i for i, key in enumerate(keys)}
-    last, pp, n = schedule.n_stages - 1, schedule.pp, schedule.n_stages
+    last, n = schedule.n_stages - 1, schedule.n_stages
     split = schedule.splits_backward
     rows, i = [], 0
     for rank, actions in enumerate(schedule.ranks):
@@ -75,7 +78,7 @@ def table(schedule: Schedule) -> Table:
             else:
                 need = (stage, "F", microbatch) if stage == last else (stage + 1, "B", microbatch)
                 slot = (2 * n if split else n) + stage
-            link = min(stage, need[0]) if need is not None and need[0] % pp != rank else -1
+            link = min(stage, need[0]) if need is not None and schedule.rank_of(need[0]) != rank else -1
             row.append((i, stage, slot, index[need] if need is not None else -1, link))
             i += 1
         rows.append(tuple(row))

@@ -108,11 +108,16 @@ class _Held:
 class _Posted:
     buffers: list[torch.Tensor]
     works: list[Any] = field(default_factory=list)
+    local: list[int] = field(default_factory=list)  # tags handed over inside this rank (the V's turn)
+    mailbox: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
         self.works.clear()
+        if self.local:  # sent by an earlier action of this rank, which has run by now
+            self.buffers = [self.mailbox.pop(tag) for tag in self.local]
+            self.local = []
         return self.buffers
 
 
@@ -159,6 +164,9 @@ class PipelineRunner:
         self.stats = PipelineStats()
         self._shape_cache: dict[tuple, list[int]] = {}  # (symbolic sizes, symbol values) -> sizes
         self._sends: list[Any] = []  # this step's isend handles, waited for at its end
+        # Consecutive stages on one rank (the V placement's turn) hand over through a mailbox, not send/recv.
+        self.own = peer(self.actions[0].stage) if self.actions else -1
+        self._mailbox: dict[int, torch.Tensor] = {}
         last_backward, last_w = {}, {}
         for i, action in enumerate(self.actions):
             if action.kind == "B":
@@ -192,6 +200,9 @@ class PipelineRunner:
                 return None
             shapes = tuple(s for s in io.send if s.requires_grad)
             src, boundary = self.peer(action.stage + 1), action.stage
+        if src == self.own:
+            tags = [self._tag(boundary, action.kind == "B", action.microbatch, slot) for slot in range(len(shapes))]
+            return _Posted([], local=tags, mailbox=self._mailbox)
         posted = _Posted([torch.empty(self._concrete(s, sizes), dtype=s.dtype, device=self.device) for s in shapes])
         for slot, buffer in enumerate(posted.buffers):
             tag = self._tag(boundary, action.kind == "B", action.microbatch, slot)
@@ -208,6 +219,9 @@ class PipelineRunner:
         dst = self.peer(dst_stage)
         for slot, tensor in enumerate(tensors):
             tag = self._tag(boundary, backward, mb, slot)
+            if dst == self.own:
+                self._mailbox[tag] = tensor.detach()
+                continue
             if self.comm is not None:
                 self.comm.count("send", tensor.numel() * tensor.element_size())
             self._sends.append(dist.isend(tensor.detach().contiguous(), dst=dst, group=self.group, tag=tag))

@@ -1,2 +1,3 @@
 """What the user asks for, as printable data: the Mesh (mesh.py), the Plan (plan.py), pipeline schedules
-(schedules.py), and the torch.compile request (torch_compile.py)."""
+(schedules.py: the data and its validator; schedule_builders.py: the named ones), and the torch.compile
+request (torch_compile.py)."""

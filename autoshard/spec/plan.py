@@ -24,7 +24,7 @@ __all__ = [
     "splits_backward",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 DROPOUT_MASKS = ("per_rank", "single_device")
@@ -126,7 +126,11 @@ class Plan:
             )
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
-        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "custom"):
+        if self.schedule_name == "zbv":  # two stages a rank, placed as a V: the schedule's own shape
+            if self.virtual_stages not in (1, 2):
+                raise PlanError(f"schedule='zbv' runs two stages on each rank; virtual_stages={self.virtual_stages}")
+            object.__setattr__(self, "virtual_stages", 2)
+        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "zbv", "custom"):
             raise PlanError(
                 f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
                 f"schedule='interleaved_1f1b' runs; use that schedule or virtual_stages=1"

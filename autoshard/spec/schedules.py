@@ -2,9 +2,10 @@
 
 An action is ``{stage}{F|B|W}{microbatch}`` (``1F0``: stage 1, forward, microbatch 0). With ``v``
 virtual stages per rank there are ``pp * v`` stages and stage ``s`` runs on rank ``s % pp``
-(interleaved 1F1B's looping placement). A schedule is valid when, under the rules below, every
-rank can run its list in order without waiting forever; ``validate`` checks this for all ranks
-before anything runs and names the rule a bad schedule breaks:
+(interleaved 1F1B's looping placement), or with the V placement of ZBV (two stages a rank) stage
+``s < pp`` on rank ``s`` and the others back up, stage ``s`` on rank ``2 * pp - 1 - s``. A schedule
+is valid when, under the rules below, every rank can run its list in order without waiting forever;
+``validate`` checks this for all ranks before anything runs and names the rule a bad schedule breaks:
 
 1. every stage runs one forward and one backward of every microbatch, on the rank that owns it
    (and, in a schedule that splits backward, one W of each);
@@ -27,20 +28,10 @@ from typing import Any
 
 from autoshard.errors import PlanError
 
-__all__ = [
-    "SPLIT_BACKWARD",
-    "Action",
-    "Schedule",
-    "ScheduleError",
-    "build_schedule",
-    "gpipe",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "zb_h1",
-]
+__all__ = ["SPLIT_BACKWARD", "Action", "Schedule", "ScheduleError"]
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
-SPLIT_BACKWARD = ("zb_h1",)  # the named schedules whose backward is split into B and W
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # the named schedules whose backward is split into B and W
 
 
 class ScheduleError(PlanError):
@@ -84,12 +75,21 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     ranks: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"  # "loop": stage s on rank s % pp; "v": down the ranks and back up (two a rank)
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("loop", "v"):
+            raise ScheduleError(f"placement={self.placement!r} must be 'loop' or 'v'")
+        if self.placement == "v" and self.virtual_stages != 2:
+            raise ScheduleError(f"the V placement puts two stages on each rank; virtual_stages={self.virtual_stages}")
 
     @property
     def n_stages(self) -> int:
         return self.pp * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
+        if self.placement == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
         return stage % self.pp
 
     @property
@@ -102,7 +102,7 @@ class Schedule:
         # was a third of a 1024-rank search. Kept per process only (string hashes differ between processes).
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.name, self.pp, self.microbatches, self.virtual_stages, self.ranks))
+            cached = hash((self.name, self.pp, self.microbatches, self.virtual_stages, self.ranks, self.placement))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -114,15 +114,20 @@ class Schedule:
 
     @classmethod
     def parse(
-        cls, text: str, name: str = "custom", microbatches: int | None = None, virtual_stages: int = 1
+        cls,
+        text: str,
+        name: str = "custom",
+        microbatches: int | None = None,
+        virtual_stages: int = 1,
+        placement: str = "loop",
     ) -> Schedule:
-        """Read back what ``str(schedule)`` prints."""
+        """Read back what ``str(schedule)`` prints (``placement``: "v" for stages placed as ZBV places them)."""
         ranks = []
         for line in text.strip().splitlines():
             _, _, body = line.partition(":")
             ranks.append(tuple(Action.parse(tok) for tok in body.split()))
         mbs = microbatches if microbatches is not None else 1 + max(a.microbatch for r in ranks for a in r)
-        return cls(name, len(ranks), mbs, virtual_stages, tuple(ranks))
+        return cls(name, len(ranks), mbs, virtual_stages, tuple(ranks), placement)
 
     def timeline(self) -> list[list[Action | None]]:
         """Simulate: each action takes one time unit once what it needs is done; raise on deadlock."""
@@ -232,112 +237,3 @@ class Schedule:
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
-
-
-def gpipe(pp: int, microbatches: int) -> Schedule:
-    """All forwards, then all backwards (backwards in reverse microbatch order)."""
-    ranks = tuple(
-        tuple(Action(r, "F", m) for m in range(microbatches))
-        + tuple(Action(r, "B", m) for m in reversed(range(microbatches)))
-        for r in range(pp)
-    )
-    return Schedule("gpipe", pp, microbatches, 1, ranks)
-
-
-def one_f_one_b(pp: int, microbatches: int) -> Schedule:
-    """Warm up with pp-1-rank forwards, then alternate one forward and one backward, then cool down."""
-    ranks = []
-    for r in range(pp):
-        warmup = min(pp - 1 - r, microbatches)
-        actions = [Action(r, "F", m) for m in range(warmup)]
-        f, b = warmup, 0
-        while f < microbatches:
-            actions += [Action(r, "F", f), Action(r, "B", b)]
-            f, b = f + 1, b + 1
-        actions += [Action(r, "B", m) for m in range(b, microbatches)]
-        ranks.append(tuple(actions))
-    return Schedule("1f1b", pp, microbatches, 1, tuple(ranks))
-
-
-def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
-    """Megatron's interleaved 1F1B: each rank holds v stages (r, r+pp, ...) and cycles through them
-    in groups of pp microbatches, which shrinks the bubble by a factor v."""
-    if virtual_stages < 1:
-        raise ScheduleError(f"virtual_stages={virtual_stages} must be at least 1")
-    if microbatches % pp:
-        raise ScheduleError(
-            f"interleaved 1F1B needs microbatches divisible by pp: {microbatches} microbatches, pp={pp}; "
-            f"use a multiple of {pp}"
-        )
-    v = virtual_stages
-    total = microbatches * v
-
-    def forward(rank: int, k: int) -> Action:
-        group, within = divmod(k, pp * v)
-        chunk = within // pp
-        return Action(chunk * pp + rank, "F", group * pp + within % pp)
-
-    def backward(rank: int, k: int) -> Action:
-        group, within = divmod(k, pp * v)
-        chunk = v - 1 - within // pp
-        return Action(chunk * pp + rank, "B", group * pp + within % pp)
-
-    ranks = []
-    for r in range(pp):
-        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
-        actions = [forward(r, k) for k in range(warmup)]
-        f, b = warmup, 0
-        while f < total:
-            actions += [forward(r, f), backward(r, b)]
-            f, b = f + 1, b + 1
-        actions += [backward(r, k) for k in range(b, total)]
-        ranks.append(tuple(actions))
-    return Schedule("interleaved_1f1b", pp, microbatches, v, tuple(ranks))
-
-
-def zb_h1(pp: int, microbatches: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024): 1F1B's forwards and input-gradient backwards (B) in 1F1B's order, with the
-    weight-gradient steps (W) held back. Rank r keeps up to r W's pending and runs one after each B beyond
-    that, the rest at its end: the later ranks pass gradients back without their W's in the way, which
-    shortens the cool-down every earlier rank waits through, and fill their own tail with them. Every
-    rank then holds at most pp microbatches (forward run, W not yet): 1F1B's first rank's count.
-    With F, B and W of one time unit each, pp=4 and 8 microbatches idle 11% of the step against 1F1B's 27%."""
-    ranks = []
-    for r in range(pp):
-        warmup = min(pp - 1 - r, microbatches)
-        actions = [Action(r, "F", m) for m in range(warmup)]
-        pending: list[int] = []  # microbatches whose B ran and W has not
-        # 1F1B's order of forwards and backwards: warm-up forwards, then one forward and one backward, then
-        # the remaining backwards (None: no forward in that slot).
-        steady = [(f, f - warmup) for f in range(warmup, microbatches)]
-        cooldown = [(None, b) for b in range(microbatches - warmup, microbatches)]
-        for forward, backward in steady + cooldown:
-            if forward is not None:
-                actions.append(Action(r, "F", forward))
-            actions.append(Action(r, "B", backward))
-            pending.append(backward)
-            if len(pending) > r:  # rank r keeps up to r W's back
-                actions.append(Action(r, "W", pending.pop(0)))
-        actions += [Action(r, "W", m) for m in pending]
-        ranks.append(tuple(actions))
-    return Schedule("zb_h1", pp, microbatches, 1, tuple(ranks))
-
-
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build and validate a named schedule; errors come before any rank sends."""
-    if microbatches < 1:
-        raise ScheduleError(f"microbatches={microbatches} must be at least 1")
-    if name == "gpipe":
-        schedule = gpipe(pp, microbatches)
-    elif name == "1f1b":
-        schedule = one_f_one_b(pp, microbatches)
-    elif name == "interleaved_1f1b":
-        schedule = interleaved_1f1b(pp, microbatches, virtual_stages)
-    elif name == "zb_h1":
-        schedule = zb_h1(pp, microbatches)
-    else:
-        raise ScheduleError(f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b or zb_h1")
-    if name != "interleaved_1f1b" and virtual_stages != 1:
-        raise ScheduleError(f"{name} runs one stage per rank; virtual_stages={virtual_stages} needs interleaved_1f1b")
-    schedule.validate()
-    return schedule
