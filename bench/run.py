@@ -496,20 +496,35 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
     )
     # The same split for torch.distributed.pipelining: the blocks autoshard put on this rank.
     mine = sorted({int(name.split(".")[1]) for name in program.for_rank(rank).placements})
-    stage_module = torch.nn.Sequential(*(model().blocks[i] for i in mine))
-    stage = pipelining.PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
-    if schedule == "zb_h1":  # torch's zero-bubble schedule, one stage a rank
-        theirs = pipelining.ScheduleInterleavedZeroBubble([stage], n_microbatches=cfg["microbatches"], loss_fn=mse)
+    blocks = model().blocks
+    m = cfg["microbatches"]
+    if schedule == "zbv":  # two stages a rank, as a V: the rank's lower blocks are stage r, the others 2p-1-r
+        halves = [mine[: len(mine) // 2], mine[len(mine) // 2 :]]
+        modules = [torch.nn.Sequential(*(blocks[i] for i in half)) for half in halves]
+        indices = [rank, 2 * world_size - 1 - rank]
+        stages = [
+            pipelining.PipelineStage(mod, i, 2 * world_size, torch.device("cpu")) for mod, i in zip(modules, indices)
+        ]
+        theirs = pipelining.ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=mse)
+        first, last = 0, 0  # the V starts and ends on rank 0
     else:
-        schedule_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
-        theirs = schedule_cls(stage, n_microbatches=cfg["microbatches"], loss_fn=mse)
-    their_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+        modules = [torch.nn.Sequential(*(blocks[i] for i in mine))]
+        stages = [pipelining.PipelineStage(modules[0], rank, world_size, torch.device("cpu"))]
+        if schedule == "zb_h1":  # torch's zero-bubble schedule, one stage a rank
+            theirs = pipelining.ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=mse)
+        else:
+            schedule_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+            theirs = schedule_cls(stages[0], n_microbatches=m, loss_fn=mse)
+        first, last = 0, world_size - 1
+    their_opt = torch.optim.AdamW([p for mod in modules for p in mod.parameters()], lr=1e-4)
 
     def their_step(x: torch.Tensor, y: torch.Tensor) -> None:
         their_opt.zero_grad(set_to_none=True)
-        if rank == 0:
+        if rank == first == last:
+            theirs.step(x, target=y, losses=[])
+        elif rank == first:
             theirs.step(x)
-        elif rank == world_size - 1:
+        elif rank == last:
             theirs.step(target=y, losses=[])
         else:
             theirs.step()
@@ -599,42 +614,46 @@ def bench_pipeline() -> None:
 
 
 def bench_zero_bubble() -> None:
-    """ZB-H1 against 1F1B on the same blocks and ranks, one run: idle time per rank (what W fills) and the
-    step against torch.distributed.pipelining's ScheduleInterleavedZeroBubble (one stage a rank)."""
+    """ZB-H1 and ZBV against 1F1B on the same blocks and ranks, one run: idle time per rank (what W fills)
+    and the step against torch.distributed.pipelining's ScheduleInterleavedZeroBubble (one stage a rank)
+    and ScheduleZBVZeroBubble (two, as a V)."""
     cfg = PIPE
     m = cfg["microbatches"]
+    torch_names = {"zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+    targets = {"zb_h1": "<= 0.55", "zbv": "<= 0.35"}
     for ranks in (4, 2):
         results = {}
-        for schedule in ("1f1b", "zb_h1"):
+        for schedule in ("1f1b", "zb_h1", "zbv"):
             with LocalRanks(ranks) as pool:
                 results[schedule] = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=3)
         idle = {s: statistics.mean(r["idle"] for r in results[s]) for s in results}
-        report(
-            f"pp={ranks} m={m}: mean idle fraction per rank, zb_h1 vs 1f1b",
-            f"{idle['zb_h1']:.3f}",
-            f"1f1b {idle['1f1b']:.3f}",
-            idle["zb_h1"] / idle["1f1b"],
-            "<= 0.55",
-        )
         step = {
             (s, who): statistics.median(t for r in results[s] for t in r["timings"][who])
             for s in results
             for who in ("autoshard", "torch")
         }
-        report(
-            f"pp={ranks} m={m}: zb_h1 step (gloo, CPU)",
-            f"{step['zb_h1', 'autoshard'] * 1e3:.1f} ms",
-            f"torch ScheduleInterleavedZeroBubble {step['zb_h1', 'torch'] * 1e3:.1f} ms",
-            step["zb_h1", "autoshard"] / step["zb_h1", "torch"],
-            "<= 1.0",
-        )
-        report(
-            f"pp={ranks} m={m}: zb_h1 step vs autoshard's 1f1b",
-            f"{step['zb_h1', 'autoshard'] * 1e3:.1f} ms",
-            f"1f1b {step['1f1b', 'autoshard'] * 1e3:.1f} ms",
-            step["zb_h1", "autoshard"] / step["1f1b", "autoshard"],
-            "reported",
-        )
+        for schedule in ("zb_h1", "zbv"):
+            report(
+                f"pp={ranks} m={m}: mean idle fraction per rank, {schedule} vs 1f1b",
+                f"{idle[schedule]:.3f}",
+                f"1f1b {idle['1f1b']:.3f}",
+                idle[schedule] / idle["1f1b"],
+                targets[schedule],
+            )
+            report(
+                f"pp={ranks} m={m}: {schedule} step (gloo, CPU)",
+                f"{step[schedule, 'autoshard'] * 1e3:.1f} ms",
+                f"torch {torch_names[schedule]} {step[schedule, 'torch'] * 1e3:.1f} ms",
+                step[schedule, "autoshard"] / step[schedule, "torch"],
+                "<= 1.0",
+            )
+            report(
+                f"pp={ranks} m={m}: {schedule} step vs autoshard's 1f1b",
+                f"{step[schedule, 'autoshard'] * 1e3:.1f} ms",
+                f"1f1b {step['1f1b', 'autoshard'] * 1e3:.1f} ms",
+                step[schedule, "autoshard"] / step["1f1b", "autoshard"],
+                "reported",
+            )
 
 
 TP = {"blocks": 4, "width": 512, "heads": 8, "batch": 4, "seq": 64}

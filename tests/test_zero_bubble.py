@@ -22,7 +22,7 @@ from autoshard.errors import PlanError
 from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, matmul_deferring_weight_grad
 from autoshard.planner.simulate import simulate
 from autoshard.spec.plan import Plan
-from autoshard.spec.schedule_builders import build_schedule, one_f_one_b, zb_h1
+from autoshard.spec.schedule_builders import build_schedule, one_f_one_b, zb_h1, zbv
 from autoshard.spec.schedules import Action, Schedule, ScheduleError
 
 
@@ -56,6 +56,27 @@ def test_zb_h1_bubble_against_1f1b_when_b_and_w_are_each_a_forward(pp: int, m: i
     idle_zb = 1 - sum(busy_zb) / (pp * makespan_zb)
     idle_1f1b = 1 - sum(busy_1f1b) / (pp * makespan_1f1b)
     assert idle_zb <= most * idle_1f1b, (idle_zb, idle_1f1b)
+
+
+@given(st.integers(1, 8), st.integers(1, 24))
+def test_zbv_is_valid_on_its_v_and_holds_what_1f1b_holds_on_its_first_rank(pp: int, m: int) -> None:
+    schedule = zbv(pp, m)
+    schedule.validate()  # rule 1 checks every action on the rank the V places its stage
+    for rank, actions in enumerate(schedule.ranks):
+        assert {a.stage for a in actions} == {rank, 2 * pp - 1 - rank}
+    # Stages half of 1F1B's: 2pp of them held is 1F1B's first rank's pp whole ones.
+    assert max(schedule.peak_in_flight()) <= 2 * pp
+
+
+@pytest.mark.parametrize(("pp", "m"), [(4, 8), (2, 8), (4, 4), (8, 16)])
+def test_zbv_bubble_against_1f1b_when_b_and_w_are_each_a_forward(pp: int, m: int) -> None:
+    one_stage = tuple(Cost(1.0, 2.0) for _ in range(pp))
+    half_stages = tuple(Cost(0.5, 1.0) for _ in range(2 * pp))  # the same blocks cut in twice the stages
+    makespan_v, busy_v, _ = simulate(zbv(pp, m), half_stages)
+    makespan_1f1b, busy_1f1b, _ = simulate(one_f_one_b(pp, m), one_stage)
+    idle_v = 1 - sum(busy_v) / (pp * makespan_v)
+    idle_1f1b = 1 - sum(busy_1f1b) / (pp * makespan_1f1b)
+    assert idle_v <= 0.35 * idle_1f1b, (idle_v, idle_1f1b)
 
 
 def test_the_validator_knows_w_follows_its_b_and_comes_once_for_each() -> None:

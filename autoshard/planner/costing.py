@@ -109,7 +109,7 @@ class Costing:
             window = max(s.backward for s in stages)
             in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
-        partial = max(sum(s.partial_grads for s in group) for group in by_rank(stages, plan.pp))
+        partial = max(sum(s.partial_grads for s in group) for group in by_rank(stages, plan.pp, plan.v_placement))
         if partial:  # summed over tp in one synchronous all-reduce a step, after backward (runtime/rank.py)
             tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
@@ -232,7 +232,7 @@ class Costing:
         """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic (``node``:
         the plan's ranks on one node)."""
         hw = self.hardware
-        per_rank = by_rank(stages, plan.pp)
+        per_rank = by_rank(stages, plan.pp, plan.v_placement)
         params = max(sum(s.params for s in group) for group in per_rank)
         elements = max(sum(s.elements for s in group) for group in per_rank)
         itemsize = params / max(1, elements)
@@ -279,7 +279,7 @@ class Costing:
         """The most loaded rank's memory, and its activation bytes per row of the global batch."""
         best: tuple[int, ...] = ()
         most, per_row = -1, 0.0
-        for rank, group in enumerate(by_rank(stages, plan.pp)):
+        for rank, group in enumerate(by_rank(stages, plan.pp, plan.v_placement)):
             params = sum(s.params for s in group)
             elements = sum(s.elements for s in group)
             weights, grads = params, params

@@ -27,8 +27,10 @@ class Stage:
     partial_grads: int = 0  # bytes of replicated weights' gradients summed over tp once a step
 
 
-def by_rank(stages: list[Stage], pp: int) -> list[list[Stage]]:
-    """Each pipeline rank's stages (with virtual stages, every pp-th)."""
+def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
+    """Each pipeline rank's stages: with virtual stages every pp-th, or placed as a V (zbv: r and 2pp-1-r)."""
+    if v_placement:
+        return [[stages[r], stages[2 * pp - 1 - r]] for r in range(pp)]
     return [stages[r::pp] for r in range(pp)]
 
 

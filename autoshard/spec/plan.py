@@ -189,6 +189,11 @@ class Plan:
         return "custom" if isinstance(self.schedule, Schedule) else self.schedule
 
     @property
+    def v_placement(self) -> bool:
+        """Whether the pipeline's stages sit as a V (zbv: rank r holds stages r and 2pp-1-r)."""
+        return self.schedule.placement == "v" if isinstance(self.schedule, Schedule) else self.schedule == "zbv"
+
+    @property
     def mesh(self) -> Mesh:
         return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
 
