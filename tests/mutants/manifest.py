@@ -701,4 +701,25 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "holds_at_most",
     },
+    {
+        "name": "94_v_placement_off_by_one",
+        "file": "autoshard/spec/schedules.py",
+        "why": "the V's way back up puts each stage one rank off",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "zbv_is_valid",
+    },
+    {
+        "name": "95_zbv_holds_more_than_1f1b",
+        "file": "autoshard/spec/schedule_builders.py",
+        "why": "ZBV starts forwards past 1F1B's first rank's activations",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "zbv_is_valid",
+    },
+    {
+        "name": "96_loss_taken_where_the_last_stage_is_not",
+        "file": "autoshard/runtime/rank.py",
+        "why": "the step's loss is read on pp rank pp-1, where a V pipeline's last stage is not",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "matches_single_device and zbv and llama-pp4",
+    },
 ]
