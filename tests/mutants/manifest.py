@@ -696,7 +696,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "93_zb_h1_holds_one_w_too_many",
-        "file": "autoshard/spec/schedules.py",
+        "file": "autoshard/spec/schedule_builders.py",
         "why": "ZB-H1 keeps one W more than its rank index back: more activations than 1F1B's first rank",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "holds_at_most",
