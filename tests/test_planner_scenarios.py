@@ -112,3 +112,14 @@ def test_no_world_size_that_fits_names_the_smallest_memory_and_the_fixes(big_lla
     assert re.search(r"no plan for 2 fits 16\.00 GiB per rank on A100 16GB: the smallest found, Plan\(.*\), needs "
                      r"\d+\.\d+ GiB per rank \(weights [\d.]+ GiB, .*activations", message)  # fmt: skip
     assert "x the ranks" in message and "a smaller batch" in message
+
+
+def test_a_pipeline_whose_bubble_matters_takes_a_zero_bubble_schedule(wide_llama) -> None:
+    """Slow links keep dp small and the pipeline deep enough that its bubble shows: W fills it."""
+    slow = H100.with_(name="H100, 2.5 GB/s between nodes", inter_bandwidth=H100.inter_bandwidth / 20)
+    fields = {"param_dtype": torch.bfloat16, "pp": 2, "tp": 8}
+    report = plan(wide_llama, 64, 64, 2048, slow, plan=fields)
+    assert report.chosen.fits and report.winner.schedule in ("zb_h1", "zbv")
+    one_f_one_b = plan(wide_llama, 64, 64, 2048, slow, plan={**fields, "schedule": "1f1b"})
+    assert report.chosen.step_time < one_f_one_b.chosen.step_time
+    assert report.chosen.time.bubble < one_f_one_b.chosen.time.bubble

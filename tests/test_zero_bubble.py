@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from cases import train_pipeline, train_single_device
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pipeline import ATOL, RTOL
 from test_tp import TP_ATOL
@@ -152,9 +152,30 @@ ZB_RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
 @pytest.mark.parametrize("run", list(ZB_RUNS))
 def test_zero_bubble_matches_single_device(ranks, run: str, schedule: str) -> None:
+    check_zero_bubble(ranks, run, schedule)
+
+
+# The grid above (14 runs, about 2 minutes here) runs with -m slow; the default run takes these, one
+# edge case each, and a hypothesis-drawn point of the grid.
+@pytest.mark.parametrize(
+    ("run", "schedule"),
+    [("gpt2-pp4", "zbv"), ("llama-dp2xpp2-zero2", "zb_h1"), ("llama-tp2xpp2", "zbv"), ("gpt2-pp2-recompute", "zb_h1")],
+)
+def test_zero_bubble_matches_single_device_on_its_edges(ranks, run: str, schedule: str) -> None:
+    check_zero_bubble(ranks, run, schedule)
+
+
+@settings(max_examples=1)
+@given(run=st.sampled_from(list(ZB_RUNS)), schedule=st.sampled_from(["zb_h1", "zbv"]))
+def test_zero_bubble_matches_single_device_sample(ranks, run: str, schedule: str) -> None:
+    check_zero_bubble(ranks, run, schedule)
+
+
+def check_zero_bubble(ranks, run: str, schedule: str) -> None:
     family, mesh, plan, layers = ZB_RUNS[run]
     v = 2 if schedule == "zbv" else 1  # zbv: two stages a rank, so twice the blocks
     world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]

@@ -83,9 +83,15 @@ def _simplicity(plan: Plan) -> tuple:
 
 
 def enumerate_plans(
-    shapes: list[tuple[int, int, int]], overrides: dict[str, Any], costing: Costing, rows: int, fixed_mesh: bool
+    shapes: list[tuple[int, int, int]],
+    overrides: dict[str, Any],
+    costing: Costing,
+    rows: int,
+    fixed_mesh: bool,
+    split_backward: bool = True,
 ) -> Iterable[Plan]:
-    """Every plan the constraints allow (a fixed mesh or fixed fields are taken as given: compile checks them)."""
+    """Every plan the constraints allow (a fixed mesh or fixed fields are taken as given: compile checks them).
+    ``split_backward``: whether zero-bubble schedules are candidates (not under torch_compile=True)."""
     mixed = is_mixed_precision(overrides.get("param_dtype"))
     needs_zero = overrides.get("offload") or mixed
     for dp, tp, pp in shapes:
@@ -103,7 +109,7 @@ def enumerate_plans(
                     if sp and tp == 1:
                         continue
                     for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
-                        for fields in _pipeline_options(pp, local, overrides, costing, fixed_mesh):
+                        for fields in _pipeline_options(pp, local, overrides, costing, fixed_mesh, split_backward):
                             base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
                             plan = Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
                             if zero == 3 and splits_backward(plan) and "zero" not in overrides:
@@ -112,14 +118,15 @@ def enumerate_plans(
 
 
 def _pipeline_options(
-    pp: int, local: int, overrides: dict[str, Any], costing: Costing, fixed_mesh: bool
+    pp: int, local: int, overrides: dict[str, Any], costing: Costing, fixed_mesh: bool, split_backward: bool
 ) -> Iterable[dict[str, Any]]:
     fixed_m = overrides.get("microbatches")
     if pp == 1:
         for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
         return
-    schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b"])
+    named = ["1f1b", "gpipe", "interleaved_1f1b"] + (["zb_h1", "zbv"] if split_backward else [])
+    schedules = _options("schedule", overrides, named)
     for schedule in schedules:
         if not isinstance(schedule, str):
             yield {"schedule": schedule}
@@ -167,7 +174,12 @@ def _geometric(n: int) -> list[int]:
 
 
 def choose_plan(
-    world_or_mesh: int | Mesh, overrides: dict[str, Any], costing: Costing, sizes: dict[str, int], hardware: Hardware
+    world_or_mesh: int | Mesh,
+    overrides: dict[str, Any],
+    costing: Costing,
+    sizes: dict[str, int],
+    hardware: Hardware,
+    split_backward: bool = True,
 ) -> PlanReport:
     """Cost every plan; return the best of each mesh shape and ZeRO stage, best first, and why the winner won."""
     Plan.check_overrides(overrides)
@@ -179,7 +191,8 @@ def choose_plan(
     best: dict[tuple[int, int, int, int], Candidate] = {}
     everything: list[Candidate] = []
     searched = 0
-    for plan in _in_search_order(enumerate_plans(shapes, overrides, costing, rows, fixed_mesh), fixed_mesh, rows):
+    plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, split_backward)
+    for plan in _in_search_order(plans, fixed_mesh, rows):
         if plan is None:  # a fixed mesh: a level of changes from the defaults had a plan that fits
             if any(c.fits for c in everything):
                 break

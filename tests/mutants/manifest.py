@@ -685,14 +685,14 @@ MUTANTS: list[dict] = [
         "file": "autoshard/runtime/holders.py",
         "why": "the empty accumulation autograd runs for a weight whose gradient B held back counts as its arrival",
         "tests": ["tests/test_zero_bubble.py"],
-        "k": "matches_single_device and dp2",
+        "k": "on_its_edges and dp2",
     },
     {
         "name": "92_zero_bubble_every_w_completes_its_stage",
         "file": "autoshard/runtime/pipeline.py",
         "why": "an earlier microbatch's W after the stage's last B counts as the weights' final arrival",
         "tests": ["tests/test_zero_bubble.py"],
-        "k": "matches_single_device and dp2",
+        "k": "on_its_edges and dp2",
     },
     {
         "name": "93_zb_h1_holds_one_w_too_many",
@@ -720,6 +720,6 @@ MUTANTS: list[dict] = [
         "file": "autoshard/runtime/rank.py",
         "why": "the step's loss is read on pp rank pp-1, where a V pipeline's last stage is not",
         "tests": ["tests/test_zero_bubble.py"],
-        "k": "matches_single_device and zbv and llama-pp4",
+        "k": "on_its_edges and gpt2-pp4",
     },
 ]
