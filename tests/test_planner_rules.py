@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.demo import next_token_loss
+from autoshard.errors import PlanError
 from autoshard.ir.cost import summarize
 from autoshard.ir.meta import ZERO_GROUP, evaluate_expr
 from autoshard.planner import choose_plan, default_microbatches
@@ -115,6 +117,22 @@ def test_every_plan_the_constraints_allow_is_a_candidate(gpt2) -> None:
     assert shapes == expected
     zeros = {c.plan.zero for c in report.candidates if (c.plan.tp, c.plan.pp) == (1, 1)}
     assert zeros == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    ("world", "fields", "named"),
+    [
+        (4, {"pp": 4}, "pp=4 is more stages than the model's 2 blocks"),
+        (3, {"tp": 3}, "tp=3 does not divide the 4 attention heads"),
+        (2, {"pp": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b at pp=2 needs at least 4 blocks"),
+        (2, {"pp": 2, "schedule": "zbv"}, "zbv at pp=2 needs 4 blocks"),
+        (3, {"dp": 3}, "dp=3 does not divide the global batch of 8"),
+    ],
+)
+def test_a_refusal_names_the_constraint_that_ruled_every_plan_out(gpt2, world: int, fields: dict, named: str) -> None:
+    with pytest.raises(PlanError, match=re.escape(named)) as refusal:
+        choose_plan(world, fields, costing(gpt2), gpt2[1], HW)
+    assert "or other values for the fixed" in str(refusal.value)
 
 
 def test_the_winner_is_the_fastest_that_fits_or_simpler_within_the_models_resolution(gpt2) -> None:

@@ -62,11 +62,17 @@ class Costing:
 
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
         """pp at most the blocks; tp dividing the heads and sharding every kind of block."""
+        return self.refusal(tp, pp) is None
+
+    def refusal(self, tp: int = 1, pp: int = 1) -> str | None:
+        """The constraint a tp and pp degree break, in words (None: they are allowed)."""
         if pp > max(1, self.blocks):
-            return False
+            return f"pp={pp} is more stages than the model's {self.blocks} blocks"
         if tp > 1 and (self.heads and self.heads % tp):
-            return False
-        return tp == 1 or self.profile.shards(tp)
+            return f"tp={tp} does not divide the {self.heads} attention heads"
+        if tp > 1 and not self.profile.shards(tp):
+            return f"tp={tp} leaves a kind of block unsharded"
+        return None
 
     # ---- one plan ------------------------------------------------------------------------------
     def candidate(self, plan: Plan, with_timeline: bool = True) -> Candidate:

@@ -89,16 +89,21 @@ def enumerate_plans(
     rows: int,
     fixed_mesh: bool,
     split_backward: bool = True,
+    refused: dict[str, None] | None = None,
 ) -> Iterable[Plan]:
     """Every plan the constraints allow (a fixed mesh or fixed fields are taken as given: compile checks them).
-    ``split_backward``: whether zero-bubble schedules are candidates (not under torch_compile=True)."""
+    ``split_backward``: whether zero-bubble schedules are candidates (not under torch_compile=True);
+    ``refused``: collects, in words, each constraint that ruled plans out (the error when none is left)."""
+    refused = {} if refused is None else refused
     mixed = is_mixed_precision(overrides.get("param_dtype"))
     needs_zero = overrides.get("offload") or mixed
     for dp, tp, pp in shapes:
         if not fixed_mesh and not costing.allows(tp=tp, pp=pp):
+            refused[costing.refusal(tp=tp, pp=pp) or ""] = None
             continue
         local = rows // dp if rows % dp == 0 else 0
         if not local and not fixed_mesh:
+            refused[f"dp={dp} does not divide the global batch of {rows}"] = None
             continue
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero in zeros:
@@ -109,7 +114,8 @@ def enumerate_plans(
                     if sp and tp == 1:
                         continue
                     for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
-                        for fields in _pipeline_options(pp, local, overrides, costing, fixed_mesh, split_backward):
+                        options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, split_backward, refused)
+                        for fields in options:
                             base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
                             plan = Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
                             if zero == 3 and splits_backward(plan) and "zero" not in overrides:
@@ -118,7 +124,13 @@ def enumerate_plans(
 
 
 def _pipeline_options(
-    pp: int, local: int, overrides: dict[str, Any], costing: Costing, fixed_mesh: bool, split_backward: bool
+    pp: int,
+    local: int,
+    overrides: dict[str, Any],
+    costing: Costing,
+    fixed_mesh: bool,
+    split_backward: bool,
+    refused: dict[str, None],
 ) -> Iterable[dict[str, Any]]:
     fixed_m = overrides.get("microbatches")
     if pp == 1:
@@ -138,14 +150,26 @@ def _pipeline_options(
                 continue
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
+            if not vs:
+                refused[
+                    f"interleaved_1f1b at pp={pp} needs at least {2 * pp} blocks; the model has {costing.blocks}"
+                ] = None
         elif schedule == "zbv":
             vs = [2] if costing.allows(pp=2 * pp) else []
+            if not vs:
+                refused[f"zbv at pp={pp} needs {2 * pp} blocks (two stages a rank); the model has {costing.blocks}"] = (
+                    None
+                )
         else:
             if overrides.get("virtual_stages", 1) != 1:
+                refused[f"virtual_stages={overrides['virtual_stages']} needs interleaved_1f1b (or zbv: 2)"] = None
                 continue
             vs = [1]
         for v in vs:
             if v > 1 and not fixed_mesh and costing.blocks % (pp * v):
+                refused[
+                    f"{schedule}: the {costing.blocks} blocks do not divide into pp x virtual_stages = {pp * v} stages"
+                ] = None
                 continue
             step = pp if schedule == "interleaved_1f1b" else 1
             if fixed_m:
@@ -191,7 +215,8 @@ def choose_plan(
     best: dict[tuple[int, int, int, int], Candidate] = {}
     everything: list[Candidate] = []
     searched = 0
-    plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, split_backward)
+    refused: dict[str, None] = {}
+    plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, split_backward, refused)
     for plan in _in_search_order(plans, fixed_mesh, rows):
         if plan is None:  # a fixed mesh: a level of changes from the defaults had a plan that fits
             if any(c.fits for c in everything):
@@ -205,9 +230,14 @@ def choose_plan(
         if key not in best or _rank(candidate) < _rank(best[key]):
             best[key] = candidate
     if not best:
+        fixed = {k: v for k, v in overrides.items() if k in ("tp", "pp", "dp", "schedule", "virtual_stages")}
+        broken = "; ".join(r for r in list(refused)[:4] if r) or (
+            f"tp dividing the {costing.heads} heads, pp at most the {costing.blocks} blocks, dp dividing the "
+            f"batch of {rows}"
+        )
         raise PlanError(
-            f"no plan of world size {world_or_mesh} meets the constraints (tp dividing the {costing.heads} heads, "
-            f"pp at most the {costing.blocks} blocks, dp dividing the batch of {rows}); use another world size"
+            f"no plan of world size {world_or_mesh} meets the constraints: {broken}; use another world size"
+            + (f", or other values for the fixed {fixed}" if fixed else "")
         )
     ranked = sorted(best.values(), key=_rank)
     if fixed_mesh:  # the mesh is the user's: change the fewest defaults that make it fit, then the fastest
