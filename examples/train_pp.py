@@ -28,7 +28,7 @@ from autoshard.launch import init_from_torchrun
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks per pipeline)")
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
     parser.add_argument("--microbatches", type=int, default=4)
     add_loop_args(parser)
     args = parser.parse_args()
@@ -38,7 +38,7 @@ def main() -> None:
     if world % args.pp:
         raise SystemExit(f"--pp {args.pp} does not divide the world size {world}")
     torch.manual_seed(0)
-    virtual = 2 if args.schedule == "interleaved_1f1b" else 1
+    virtual = 2 if args.schedule in ("interleaved_1f1b", "zbv") else 1  # zbv: two stages a rank, as a V
     model = TinyGPT(layers=2 * args.pp * virtual).to(device)
 
     global_batch = batches(args, device)

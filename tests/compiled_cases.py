@@ -9,6 +9,7 @@ from cases import adamw, build_case, train_local_batches
 from torch import fx
 
 import autoshard
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS
 
 _ops = torch.ops._c10d_functional
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -42,9 +43,11 @@ def train_compiled(
     case = build_case(family, **shape)
     options = {"torch_compile": True, "backend": backend} if backend is not None else {}
     program = compile_with(case, mesh, plan, **options)
+    deferred_before = WEIGHT_GRADS.deferred_total
     losses, volumes = train_local_batches(program, case)
     return {
         "losses": losses,
+        "weight_grads_deferred": WEIGHT_GRADS.deferred_total - deferred_before,  # held back by B for W
         "state": program.full_state_dict(),
         "volumes": volumes,
         "calls": [dict(program.comm.calls)],

@@ -77,6 +77,15 @@ def test_torchrun_pipeline_example_trains_on_two_ranks() -> None:
     assert len(losses) == 3 and "trained" in out.stdout
 
 
+def test_torchrun_pipeline_example_trains_a_v_shaped_zero_bubble_pipeline() -> None:
+    out = torchrun_two_ranks("train_pp.py", "--steps", "3", "--schedule", "zbv")
+    assert "schedule=zbv, microbatches=4, virtual_stages=2" in out.stdout
+    assert "stage 3 on pp rank 0" in out.stdout  # the V comes back to the first rank, with the loss
+    assert "0W0" in out.stdout  # the schedule's table has its weight-gradient steps
+    losses = [float(line.split("loss ")[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and "trained" in out.stdout
+
+
 def test_demo_matches_single_device(capsys) -> None:
     from autoshard.demo import main
 

@@ -85,12 +85,11 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         )
     hardware = hardware or default_hardware(model)
     report, captured, results, cost = analyse_for_planning(
-        model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target, hardware,
-        split_backward=not request,  # a compiled backward is one graph: no zero-bubble split yet
-    )  # fmt: skip
+        model, resolved, overrides, example_inputs, example_kwargs, loss_fn, example_target, hardware
+    )
     chosen = report.winner
     schedule = checks.schedule_for(chosen, captured.example_sizes["B"])
-    checks.check_split_backward(chosen, request)
+    checks.check_split_backward(chosen)
     template, opt_groups = checks.optimizer_template(optimizer, model, chosen)
     build = Build(captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups)
     build.schedule = schedule

@@ -115,17 +115,9 @@ def generator_state(model: nn.Module) -> torch.Tensor | None:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def check_split_backward(plan: Plan, torch_compile: object) -> None:
+def check_split_backward(plan: Plan) -> None:
     """A zero-bubble schedule (W apart from B) with what cannot hold its weight gradients back yet."""
-    if not splits_backward(plan):
-        return
-    if torch_compile:
-        raise PlanError(
-            f"schedule={plan.schedule_name} splits each stage's backward into B and W in the eager stage graphs; "
-            f"torch_compile=True compiles a stage's backward as one graph, which autoshard does not split yet: "
-            f"use torch_compile=False with it, or schedule='1f1b'"
-        )
-    if plan.zero == 3:
+    if splits_backward(plan) and plan.zero == 3:
         raise PlanError(
             f"schedule={plan.schedule_name} computes weight gradients in W, after B; ZeRO-3 frees a layer's "
             f"gathered parameters once its backward ran, before W could read them: use zero=1 or 2 with "

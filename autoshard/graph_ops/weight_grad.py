@@ -9,7 +9,10 @@ microbatch computes them later (``apply``), accumulating into ``.grad`` through 
 gradient hooks (dp buckets, ZeRO reduce-scatter) see them as they see any other.
 
 Under autocast the op runs as autocast runs a matmul (its inputs cast to the autocast dtype) and its
-gradients come back in the dtypes of its inputs, as the casts' own backward returns them.
+gradients come back in the dtypes of its inputs, as the casts' own backward returns them. Under
+torch.compile the op stays eager (dynamo breaks the graph around it): the work between the matmuls is
+compiled, forward and backward, and the matmuls, whose kernels compiling would not change, keep their
+weight gradients for W as they do eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from autoshard.graph_ops.graph_break import stays_eager
 
 __all__ = ["WEIGHT_GRADS", "DeferredWeightGrad", "WeightGradStore", "matmul_deferring_weight_grad"]
 
@@ -143,6 +148,7 @@ class _DeferringMatmul(torch.autograd.Function):
         return None, grad_x, grad_weight, grad_bias
 
 
+@stays_eager  # its backward reads and writes the store, outside any graph: under torch.compile it runs eagerly
 def matmul_deferring_weight_grad(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``kind`` is the op rewritten: ``linear`` (x, W[n,k], b), ``addmm`` (x, W[k,n], b), ``mm`` (x, W[k,n])."""
     return _DeferringMatmul.apply(kind, x, weight, bias)

@@ -101,10 +101,9 @@ def plan(
 def analyse_for_planning(
     model: nn.Module, resolved: int | Mesh, overrides: dict[str, Any], example_inputs: Any,
     example_kwargs: dict[str, Any] | None, loss_fn: Any, example_target: Any, hardware: Hardware,
-    global_batch_size: int | None = None, split_backward: bool = True,
+    global_batch_size: int | None = None,
 ) -> tuple[PlanReport, Captured, list[Any], ModelCost]:  # fmt: skip
-    """Capture, analyse and rank the plans (what compile and autoshard.plan share); ``split_backward``: whether
-    zero-bubble schedules are candidates (compile: not under torch_compile=True)."""
+    """Capture, analyse and rank the plans (what compile and autoshard.plan share)."""
     if not isinstance(hardware, Hardware):
         raise InputError(
             f"hardware must be an autoshard.Hardware (Hardware.preset('h100-80gb'), Hardware.measure()), "
@@ -119,7 +118,7 @@ def analyse_for_planning(
     at = planning_sizes(sizes, global_batch_size)
     model_flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, sizes))
     profile = profile_graph(gm, sizes, hardware.kernels, model_flops)
-    report = choose_plan(resolved, overrides, Costing(profile, at, hardware), at, hardware, split_backward)
+    report = choose_plan(resolved, overrides, Costing(profile, at, hardware), at, hardware)
     parameters = sum(p.numel() for p in model.parameters()) if isinstance(model, nn.Module) else 0
     report = dataclasses.replace(report, model=captured.model_name, parameters=parameters)
     return report, captured, results, cost

@@ -88,11 +88,9 @@ def enumerate_plans(
     costing: Costing,
     rows: int,
     fixed_mesh: bool,
-    split_backward: bool = True,
     refused: dict[str, None] | None = None,
 ) -> Iterable[Plan]:
     """Every plan the constraints allow (a fixed mesh or fixed fields are taken as given: compile checks them).
-    ``split_backward``: whether zero-bubble schedules are candidates (not under torch_compile=True);
     ``refused``: collects, in words, each constraint that ruled plans out (the error when none is left)."""
     refused = {} if refused is None else refused
     mixed = is_mixed_precision(overrides.get("param_dtype"))
@@ -114,7 +112,7 @@ def enumerate_plans(
                     if sp and tp == 1:
                         continue
                     for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
-                        options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, split_backward, refused)
+                        options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, refused)
                         for fields in options:
                             base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
                             plan = Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
@@ -129,7 +127,6 @@ def _pipeline_options(
     overrides: dict[str, Any],
     costing: Costing,
     fixed_mesh: bool,
-    split_backward: bool,
     refused: dict[str, None],
 ) -> Iterable[dict[str, Any]]:
     fixed_m = overrides.get("microbatches")
@@ -137,8 +134,7 @@ def _pipeline_options(
         for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
         return
-    named = ["1f1b", "gpipe", "interleaved_1f1b"] + (["zb_h1", "zbv"] if split_backward else [])
-    schedules = _options("schedule", overrides, named)
+    schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"])
     for schedule in schedules:
         if not isinstance(schedule, str):
             yield {"schedule": schedule}
@@ -203,7 +199,6 @@ def choose_plan(
     costing: Costing,
     sizes: dict[str, int],
     hardware: Hardware,
-    split_backward: bool = True,
 ) -> PlanReport:
     """Cost every plan; return the best of each mesh shape and ZeRO stage, best first, and why the winner won."""
     Plan.check_overrides(overrides)
@@ -216,7 +211,7 @@ def choose_plan(
     everything: list[Candidate] = []
     searched = 0
     refused: dict[str, None] = {}
-    plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, split_backward, refused)
+    plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, refused)
     for plan in _in_search_order(plans, fixed_mesh, rows):
         if plan is None:  # a fixed mesh: a level of changes from the defaults had a plan that fits
             if any(c.fits for c in everything):
