@@ -227,3 +227,13 @@ def test_zero_bubble_under_torch_compile_matches_single_device(ranks, family, me
     state = results[0]["state"]
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_reports_timeline_draws_w_apart_from_f_and_b() -> None:
+    from autoshard.inspection.html import ACTION_COLORS, timeline
+
+    lane = [("0F0", 0.0, 1.0), ("0B0", 1.0, 2.0), ("0W0", 2.0, 3.0)]
+    html = timeline([("pp rank 0", lane)], "zb")
+    for kind in "FBW":
+        assert f'fill="{ACTION_COLORS[kind]}"' in html, kind
+    assert ACTION_COLORS["W"] not in timeline([("pp rank 0", lane[:2])], "1f1b")  # no W, no W in the legend

@@ -13,7 +13,7 @@ CATEGORY_COLORS = {
     "masters": "#76b7b2", "activations": "#59a14f", "gathered": "#edc948", "buffers": "#b07aa1",
     "other": "#9c755f",
 }  # fmt: skip
-ACTION_COLORS = {"F": "#4e79a7", "B": "#f28e2b"}
+ACTION_COLORS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}  # W: a zero-bubble weight-gradient step
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px 32px; color: #222; background: #fff; }
@@ -98,7 +98,8 @@ def timeline(rows: list[tuple[str, list[tuple[str, float, float]]]], title: str)
         svg.append(f'<rect x="{left}" y="{y}" width="{width}" height="{lane_h - 6}" fill="#eee"/>')
         for action, start, stop in lane:
             x, w = left + width * start / end, max(1.0, width * (stop - start) / end)
-            kind = "B" if "B" in action.lstrip("0123456789")[:1] else "F"
+            kind = action.lstrip("0123456789")[:1]  # "1W3": stage 1's W of microbatch 3
+            kind = kind if kind in ACTION_COLORS else "F"
             svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 6}" fill="{ACTION_COLORS[kind]}" '
                        f'stroke="#fff" stroke-width="0.5"><title>{esc(action)}: {start * 1e3:.3f}-{stop * 1e3:.3f} ms'
                        f'</title></rect>')  # fmt: skip
@@ -107,9 +108,14 @@ def timeline(rows: list[tuple[str, list[tuple[str, float, float]]]], title: str)
     svg.append(f'<text x="{left}" y="{lane_h * len(rows) + 18}">0</text>')
     svg.append(f'<text x="{left + width - 60}" y="{lane_h * len(rows) + 18}">{end * 1e3:.3f} ms</text></svg>')
     busy = sum(e - s for _, lane in rows for _, s, e in lane)
+    kinds = [
+        k
+        for k in ACTION_COLORS
+        if k in "FB" or any(a.lstrip("0123456789")[:1] == k for _, lane in rows for a, _, _ in lane)
+    ]
     idle = 1 - busy / (end * len(rows))
     return (f"<p><b>{esc(title)}</b>: step {end * 1e3:.3f} ms, idle (bubble) {idle:.1%} of rank time</p>"
-            + legend(["F", "B"], ACTION_COLORS) + "".join(svg))  # fmt: skip
+            + legend(kinds, ACTION_COLORS) + "".join(svg))  # fmt: skip
 
 
 def graph_code(code: str, limit: int = 4000) -> str:
