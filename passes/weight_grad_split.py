@@ -1,6 +1,6 @@
 """Zero-bubble pipelines: split each stage's backward into B (input gradients) and W (weight gradients).
 
-Reads:  autoshard.shape (get_attr nodes: which are trainable parameters)
+Reads:  autoshard.shape (get_attr nodes, and ZeRO-3's gathered views: which are trainable parameters)
 Writes: nothing (replaces matmul nodes; the new node keeps the old node's meta)
 
 Before::
@@ -23,11 +23,14 @@ place. What W leaves out (biases, norms, embeddings) is small next to the matmul
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
+from autoshard.graph_ops import zero
 from autoshard.graph_ops.weight_grad import matmul_deferring_weight_grad
-from autoshard.ir.meta import SHAPE
+from autoshard.ir.meta import SHAPE, get_shape
 
 from .infra import PARAMETERS, Need, Pass, PassResult, is_trainable_parameter
 
@@ -63,16 +66,29 @@ def run(gm: fx.GraphModule, keep_in_b: frozenset[int] | set[int] = frozenset()) 
         and only_a_matmul_weight(node)
         and id(gm.get_parameter(node.target)) not in keep_in_b
     }
+    # ZeRO-3: a parameter is a view of its group's gather; W adds its gradient to the group's flat buffer.
+    gathered = {
+        node: (node.args[0].args[0], node.args[0].args[1], node.args[1])  # (runtime, group, index)
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].target is zero.gather
+        and get_shape(node).requires_grad
+        and only_a_matmul_weight(node)
+    }
     rewritten = 0
     for node in list(graph.nodes):
         if not _rewritable(node):
             continue
         kind, xi, wi, bi = _MATMULS[node.target]
-        if node.args[wi] not in weights:
+        weight = node.args[wi]
+        if weight not in weights and weight not in gathered:
             continue
         bias = node.args[bi] if bi is not None and len(node.args) > bi else None
+        args = (kind, node.args[xi], weight, bias, gathered.get(weight))
         with graph.inserting_before(node):
-            new = graph.call_function(matmul_deferring_weight_grad, (kind, node.args[xi], node.args[wi], bias))
+            new = graph.call_function(matmul_deferring_weight_grad, args)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
@@ -82,7 +98,8 @@ def run(gm: fx.GraphModule, keep_in_b: frozenset[int] | set[int] = frozenset()) 
     return PassResult(
         "weight_grad_split",
         rewritten > 0,
-        f"{rewritten} matmuls defer their weight gradient to W ({len(weights)} weights; {kept} parameters in B)",
+        f"{rewritten} matmuls defer their weight gradient to W ({len(weights) + len(gathered)} weights; "
+        f"{kept} parameters in B)",
         value=rewritten,
     )
 

@@ -89,7 +89,6 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     )
     chosen = report.winner
     schedule = checks.schedule_for(chosen, captured.example_sizes["B"])
-    checks.check_split_backward(chosen)
     template, opt_groups = checks.optimizer_template(optimizer, model, chosen)
     build = Build(captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups)
     build.schedule = schedule

@@ -14,7 +14,7 @@ from torch import nn
 from autoshard.errors import InputError, MeshError, PlanError
 from autoshard.runtime.optim import check_elementwise, group_of_params, make_optimizer
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.plan import Plan, splits_backward
+from autoshard.spec.plan import Plan
 from autoshard.spec.schedule_builders import build_schedule
 from autoshard.spec.schedules import Schedule
 
@@ -24,7 +24,6 @@ __all__ = [
     "check_options",
     "generator_state",
     "optimizer_template",
-    "check_split_backward",
     "schedule_for",
 ]
 
@@ -113,13 +112,3 @@ def generator_state(model: nn.Module) -> torch.Tensor | None:
     if device.type == "meta":
         return None
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def check_split_backward(plan: Plan) -> None:
-    """A zero-bubble schedule (W apart from B) with what cannot hold its weight gradients back yet."""
-    if splits_backward(plan) and plan.zero == 3:
-        raise PlanError(
-            f"schedule={plan.schedule_name} computes weight gradients in W, after B; ZeRO-3 frees a layer's "
-            f"gathered parameters once its backward ran, before W could read them: use zero=1 or 2 with "
-            f"{plan.schedule_name}, or schedule='1f1b' with zero=3"
-        )

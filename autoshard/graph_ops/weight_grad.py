@@ -40,6 +40,7 @@ class DeferredWeightGrad:
     weight: torch.Tensor
     inputs: torch.Tensor  # the matmul's input as the op read it (cast, under autocast)
     grad_output: torch.Tensor
+    gathered: tuple[Any, int, int] | None = None  # ZeRO-3: (runtime, group, index) of the gathered parameter
 
     def compute(self) -> torch.Tensor:
         x = self.inputs.reshape(-1, self.inputs.shape[-1])
@@ -89,16 +90,27 @@ class WeightGradStore:
         if not deferred:
             return
         summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        groups: dict[tuple[int, int], tuple[Any, list[torch.Tensor | None]]] = {}
         for item in deferred:
             grad = item.compute()
+            if item.gathered is not None:  # ZeRO-3: into the group's flat gradient, as the gather's backward adds
+                runtime, group, index = item.gathered
+                _, grads = groups.setdefault(
+                    (id(runtime), group), (runtime, [None] * len(runtime.layouts[group].shapes))
+                )
+                grads[index] = grad if grads[index] is None else grads[index] + grad
+                continue
             weight, total = summed.get(id(item.weight), (item.weight, None))
             summed[id(item.weight)] = (weight, grad if total is None else total + grad)
-        weights, grads = zip(*summed.values())
-        self.quiet = not completes
-        try:
-            torch.autograd.backward(list(weights), list(grads))
-        finally:
-            self.quiet = False
+        for (_, group), (runtime, grads) in groups.items():
+            runtime.add_grads(group, tuple(grads))  # armed (the stage's last B ran): reduce-scattered, summed
+        if summed:
+            weights, totals = zip(*summed.values())
+            self.quiet = not completes
+            try:
+                torch.autograd.backward(list(weights), list(totals))
+            finally:
+                self.quiet = False
         deferred.clear()
 
 
@@ -111,8 +123,16 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 class _DeferringMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        kind: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gathered: tuple[Any, int, int] | None,
+    ) -> torch.Tensor:
         device_type = x.device.type
+        ctx.gathered = gathered
         cast = _autocast_dtype(device_type)
         ctx.kind, ctx.weight, ctx.dtypes = kind, weight, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.bias_shape = None if bias is None else bias.shape
@@ -140,15 +160,23 @@ class _DeferringMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_bias = grad_output.sum_to_size(ctx.bias_shape).to(bias_dtype)  # the bias broadcast over rows
         if ctx.needs_input_grad[2]:
-            deferred = DeferredWeightGrad(ctx.kind, ctx.weight, x, grad_output)
+            deferred = DeferredWeightGrad(ctx.kind, ctx.weight, x, grad_output, ctx.gathered)
             if WEIGHT_GRADS.pending is not None:
                 WEIGHT_GRADS.hold(deferred)
             else:
                 grad_weight = deferred.compute().to(weight_dtype)
-        return None, grad_x, grad_weight, grad_bias
+        return None, grad_x, grad_weight, grad_bias, None
 
 
 @stays_eager  # its backward reads and writes the store, outside any graph: under torch.compile it runs eagerly
-def matmul_deferring_weight_grad(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``kind`` is the op rewritten: ``linear`` (x, W[n,k], b), ``addmm`` (x, W[k,n], b), ``mm`` (x, W[k,n])."""
-    return _DeferringMatmul.apply(kind, x, weight, bias)
+def matmul_deferring_weight_grad(
+    kind: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gathered: tuple[Any, int, int] | None = None,
+) -> torch.Tensor:
+    """``kind`` is the op rewritten: ``linear`` (x, W[n,k], b), ``addmm`` (x, W[k,n], b), ``mm`` (x, W[k,n]).
+    ``gathered``: under ZeRO-3, (the rank's Zero3Runtime, the group, the parameter's index in it): W adds the
+    weight's gradient to the group's flat gradient, as the gather's backward does."""
+    return _DeferringMatmul.apply(kind, x, weight, bias, gathered)

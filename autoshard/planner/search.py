@@ -16,7 +16,7 @@ from autoshard.errors import PlanError
 from autoshard.planner.costing import Costing
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.plan import Plan, is_mixed_precision, splits_backward
+from autoshard.spec.plan import Plan, is_mixed_precision
 
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
@@ -115,10 +115,7 @@ def enumerate_plans(
                         options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, refused)
                         for fields in options:
                             base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
-                            plan = Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
-                            if zero == 3 and splits_backward(plan) and "zero" not in overrides:
-                                continue  # W reads weights ZeRO-3 has freed after B (compile refuses the pair)
-                            yield plan
+                            yield Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
 
 
 def _pipeline_options(

@@ -138,6 +138,7 @@ class PipelineRunner:
         device: torch.device | None = None,
         before_action: Callable[[Action], None] | None = None,
         calls: dict[int, Callable[..., Any]] | None = None,
+        arm_at_last_w: bool = False,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
@@ -145,8 +146,10 @@ class PipelineRunner:
         ``comm``: a CommCounter that records the bytes sent; ``device``: where received tensors live;
         ``before_action``: called before each action runs (the runtime tells single-device dropout masks
         the microbatch); ``calls``: what runs each stage's graph (torch.compile's wrapper of it; default
-        the graph itself).
+        the graph itself); ``arm_at_last_w``: where backward is split, arm a stage's reduction before its last
+        W rather than its last B (ZeRO-3, whose reduce-scatter sums what was added until then: once a step).
         """
+        self.arm_at_last_w = arm_at_last_w and schedule.splits_backward
         self.before_action = before_action or (lambda action: None)
         self.calls = calls or {}
         self.comm = comm
@@ -274,9 +277,11 @@ class PipelineRunner:
                     stats.peak_in_flight = max(stats.peak_in_flight, len(held) + len(held_back))
                 elif action.kind == "W":
                     deferred = held_back.pop((action.stage, action.microbatch))
+                    if i in self.final_w and self.arm_at_last_w:
+                        before_final_backward(action.stage)
                     WEIGHT_GRADS.apply(deferred, completes=i in self.final_w)
                 else:
-                    if i in self.final_backward:
+                    if i in self.final_backward and not self.arm_at_last_w:
                         before_final_backward(action.stage)
                     h = held.pop((action.stage, action.microbatch))
                     with collect() as deferred:

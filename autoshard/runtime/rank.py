@@ -281,6 +281,7 @@ class RankRuntime:
             device=self.device,
             before_action=lambda action: self.at_microbatch(action.microbatch),
             calls=self.calls,
+            arm_at_last_w=self.plan.zero == 3,
         )
 
     # ---- one step -------------------------------------------------------------------------------
