@@ -35,6 +35,9 @@ STRATEGIES = {
     "pp2": ({"pp": 2}, {"microbatches": 2}),
     "dp2xtp2-zero3": ({"dp": 2, "tp": 2}, {"zero": 3}),
     "dp2xpp2-zero3": ({"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2}),
+    # zero-bubble: a weight that two matmuls of one stage read gets both gradients in one W, summed
+    "dp2xpp2-zb_h1": ({"dp": 2, "pp": 2}, {"microbatches": 2, "schedule": "zb_h1"}),
+    "dp2xpp2-zero3-zb_h1": ({"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2, "schedule": "zb_h1"}),
 }
 
 

@@ -722,4 +722,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "on_its_edges and gpt2-pp4",
     },
+    {
+        "name": "97_zero3_zero_bubble_armed_at_last_b",
+        "file": "autoshard/runtime/rank.py",
+        "why": "ZeRO-3 under a zero-bubble schedule arms at the last B: every later W reduce-scatters again",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "bit_for_bit and zero3",
+    },
+    {
+        "name": "98_zero3_w_keeps_one_matmuls_gradient_of_a_weight",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": "a ZeRO-3 W keeps the last of several matmuls' gradients of one weight instead of their sum",
+        "tests": ["tests/test_mutation_gaps.py"],
+        "k": "reuse and zero3-zb_h1",
+    },
 ]
