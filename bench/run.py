@@ -656,6 +656,58 @@ def bench_zero_bubble() -> None:
             )
 
 
+def _compiled_pipelines(rank: int, world_size: int, steps: int, rounds: int) -> dict:
+    """Seconds per step and idle share of 1F1B and ZB-H1 on the same blocks with torch_compile=True, timed in
+    alternating rounds."""
+    schedules = ("1f1b", "zb_h1")
+    cfg = PIPE
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(cfg["batch"], cfg["width"], generator=gen), torch.randn(cfg["batch"], cfg["width"], generator=gen))
+        for _ in range(steps)
+    ]
+    programs = {}
+    for schedule in schedules:
+        torch.manual_seed(0)
+        programs[schedule] = autoshard.compile(
+            Blocks(cfg["blocks"], cfg["width"]),
+            autoshard.Mesh(pp=world_size),
+            example_inputs=(data[0][0],),
+            loss_fn=torch.nn.functional.mse_loss,
+            example_target=data[0][1],
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+            plan={"schedule": schedule, "microbatches": cfg["microbatches"]},
+            torch_compile=True,
+        )
+    idle: dict[str, list[float]] = {s: [] for s in schedules}
+
+    def stepper(schedule: str) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            programs[schedule].step(x, target=y)
+            idle[schedule].append(programs[schedule].pipeline_stats.idle_fraction)
+
+        return step
+
+    timings = _alternate(stepper("zb_h1"), stepper("1f1b"), data, rounds)  # timed as "autoshard" and "torch"
+    return {"timings": {"zb_h1": timings["autoshard"], "1f1b": timings["torch"]}, "idle": idle}
+
+
+def bench_zero_bubble_compiled() -> None:
+    """ZB-H1 against 1F1B, both with torch_compile=True (inductor), on the same blocks and 4 ranks."""
+    with LocalRanks(4) as pool:
+        results = pool.run(_compiled_pipelines, steps=3, rounds=3)
+    ours = statistics.median(t for r in results for t in r["timings"]["zb_h1"])
+    theirs = statistics.median(t for r in results for t in r["timings"]["1f1b"])
+    idle = {s: statistics.mean(statistics.median(r["idle"][s]) for r in results) for s in ("1f1b", "zb_h1")}
+    report(
+        f"pp=4 m={PIPE['microbatches']}, torch_compile=True: zb_h1 step vs compiled 1f1b",
+        f"{ours * 1e3:.1f} ms (idle {idle['zb_h1']:.3f})",
+        f"1f1b {theirs * 1e3:.1f} ms (idle {idle['1f1b']:.3f})",
+        ours / theirs,
+        "reported",
+    )
+
+
 TP = {"blocks": 4, "width": 512, "heads": 8, "batch": 4, "seq": 64}
 
 
@@ -856,6 +908,7 @@ BENCHMARKS = {
     "zero-memory": bench_zero_memory_table,
     "pipeline": bench_pipeline,
     "zero-bubble": bench_zero_bubble,
+    "zero-bubble-compiled": bench_zero_bubble_compiled,
     "tp": bench_tp,
     "fsdp-tp": bench_fsdp_tp,
     "recompute": lambda: bench_recompute(report),
