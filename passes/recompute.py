@@ -90,8 +90,9 @@ def _reads_weight(node: Any) -> bool:
 
 def _kept(node: fx.Node) -> bool:
     """Selective recomputation keeps this node's output (a weight matmul, or communication)."""
-    dims = matmul_dims(node.target)
-    return node.target in _COMMUNICATION or (dims is not None and _reads_weight(node.args[dims[1]]))
+    op, args = runs(node)  # through a zero-bubble matmul: the matmul
+    dims = matmul_dims(op)
+    return node.target in _COMMUNICATION or (dims is not None and _reads_weight(args[dims[1]]))
 
 
 _ATTENTION = {aten.softmax, aten._softmax, aten._safe_softmax, aten.scaled_dot_product_attention}

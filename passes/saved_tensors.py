@@ -103,10 +103,10 @@ def _value(expr: sympy.Expr, sizes: dict[str, int]) -> int:
 
 
 def _category(node: fx.Node) -> str:
-    op = runs(node)[0]  # through tp.sharded_random or masks.dropout: the op they run
+    op, args = runs(node)  # through tp.sharded_random, masks.dropout, a zero-bubble matmul: the op they run
     target, dims = packet(op), matmul_dims(op)
     if dims is not None:
-        return MATMUL if any(_is_weight(node.args[i]) for i in dims) else ATTENTION
+        return MATMUL if any(_is_weight(args[i]) for i in dims) else ATTENTION
     for names, category in ((_NORMS, NORM), (_DROPOUT, DROPOUT), (_ATTENTION, ATTENTION), (_LOSS, LOSS)):
         if target in names:
             return category

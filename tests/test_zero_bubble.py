@@ -241,3 +241,25 @@ def test_the_reports_timeline_draws_w_apart_from_f_and_b() -> None:
     for kind in "FBW":
         assert f'fill="{ACTION_COLORS[kind]}"' in html, kind
     assert ACTION_COLORS["W"] not in timeline([("pp rank 0", lane[:2])], "1f1b")  # no W, no W in the legend
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_zero_bubble_stage_keeps_and_recomputes_what_a_1f1b_stage_does(recompute: str) -> None:
+    """The analyses see the matmul a deferring op runs: the same bytes kept (matmuls as matmuls), and selective
+    recomputation keeps the weight matmuls it keeps under 1F1B. Planned offline, no process group."""
+    import autoshard
+    from autoshard.demo import TinyGPT, next_token_loss, successor_batch
+
+    ids, target = successor_batch(0, 8, 32)
+
+    def saved(schedule: str) -> list:
+        torch.manual_seed(0)
+        plan = {"schedule": schedule, "microbatches": 2, "recompute": recompute}
+        program = autoshard.compile(
+            TinyGPT(), autoshard.Mesh(pp=2), (ids,), loss_fn=next_token_loss, example_target=target, plan=plan
+        )
+        return [
+            (name, memory.kept, memory.transient, memory.layers) for name, memory in program.cost.saved_for_backward
+        ]
+
+    assert saved("zb_h1") == saved("1f1b")

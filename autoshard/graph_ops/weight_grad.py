@@ -6,7 +6,9 @@ gradient at once, as the op's own backward would; the weight's gradient too, unl
 is collecting (``WEIGHT_GRADS.collect()``): then it keeps the two factors of that gradient (the
 matmul's input and its output's gradient) and returns none, and the schedule's W for that stage and
 microbatch computes them later (``apply``), accumulating into ``.grad`` through autograd so that the
-gradient hooks (dp buckets, ZeRO reduce-scatter) see them as they see any other.
+gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see them as they see any other. Under ZeRO-3 the
+weight is a view of its layer's gather; W needs no gathered value (the gradient is the product of the
+two factors) and adds into the layer's flat gradient as the gather's backward does.
 
 Under autocast the op runs as autocast runs a matmul (its inputs cast to the autocast dtype) and its
 gradients come back in the dtypes of its inputs, as the casts' own backward returns them. Under
@@ -25,11 +27,11 @@ from typing import Any
 import torch
 
 from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.ir.ops import WRAPPERS
 
 __all__ = ["WEIGHT_GRADS", "DeferredWeightGrad", "WeightGradStore", "matmul_deferring_weight_grad"]
 
 aten = torch.ops.aten
-KINDS = ("linear", "addmm", "mm")  # linear(x, W[n,k], b); addmm(b, x, W[k,n]); mm(x, W[k,n])
 
 
 @dataclass
@@ -103,7 +105,7 @@ class WeightGradStore:
             weight, total = summed.get(id(item.weight), (item.weight, None))
             summed[id(item.weight)] = (weight, grad if total is None else total + grad)
         for (_, group), (runtime, grads) in groups.items():
-            runtime.add_grads(group, tuple(grads))  # armed (the stage's last B ran): reduce-scattered, summed
+            runtime.add_grads(group, tuple(grads))  # the stage's last W: armed, so reduce-scattered
         if summed:
             weights, totals = zip(*summed.values())
             self.quiet = not completes
@@ -180,3 +182,16 @@ def matmul_deferring_weight_grad(
     ``gathered``: under ZeRO-3, (the rank's Zero3Runtime, the group, the parameter's index in it): W adds the
     weight's gradient to the group's flat gradient, as the gather's backward does."""
     return _DeferringMatmul.apply(kind, x, weight, bias, gathered)
+
+
+def _as_aten(args: tuple) -> tuple[object, tuple]:
+    kind, x, weight, bias = args[:4]
+    if kind == "linear":
+        return aten.linear.default, (x, weight) if bias is None else (x, weight, bias)
+    if kind == "addmm":
+        return aten.addmm.default, (bias, x, weight)
+    return aten.mm.default, (x, weight)
+
+
+# The analyses (what autograd keeps, what selective recomputation keeps) see the matmul it runs.
+WRAPPERS[matmul_deferring_weight_grad] = _as_aten

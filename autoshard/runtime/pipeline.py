@@ -7,8 +7,9 @@ hand over what goes on) and sends those to the rank of stage ``s + 1``. The back
 (the last stage: from its loss, scaled by 1/microbatches so that gradients are the mean over
 microbatches) and sends back the gradients of what was received. In a zero-bubble schedule B holds
 the weight gradients of the stage's matmuls back (graph_ops/weight_grad.py) and ``W(s, m)`` computes
-them; the stage's gradient reduction is armed at its last B as always, and only its last W's
-weight gradients count as arrivals.
+them. The stage's gradient reduction is armed at its last B (only its last W's weight gradients then
+count as arrivals), or under ZeRO-3 at its last W. Two stages of one rank (the V placement's turn)
+hand over through a mailbox instead of send and receive.
 
 Sends are asynchronous and receives are posted one action ahead, so a rank waits only for data it
 needs now; the schedule's validator has shown that no rank waits forever. Every boundary tensor
