@@ -223,12 +223,13 @@ def choose_plan(
             best[key] = candidate
     if not best:
         fixed = {k: v for k, v in overrides.items() if k in ("tp", "pp", "dp", "schedule", "virtual_stages")}
+        where = f"on {world_or_mesh}" if fixed_mesh else f"of world size {world_or_mesh}"
         broken = "; ".join(r for r in list(refused)[:4] if r) or (
             f"tp dividing the {costing.heads} heads, pp at most the {costing.blocks} blocks, dp dividing the "
             f"batch of {rows}"
         )
         raise PlanError(
-            f"no plan of world size {world_or_mesh} meets the constraints: {broken}; use another world size"
+            f"no plan {where} meets the constraints: {broken}; use another world size"
             + (f", or other values for the fixed {fixed}" if fixed else "")
         )
     ranked = sorted(best.values(), key=_rank)
