@@ -90,8 +90,10 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     chosen = report.winner
     schedule = checks.schedule_for(chosen, captured.example_sizes["B"])
     template, opt_groups = checks.optimizer_template(optimizer, model, chosen)
-    build = Build(captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups)
-    build.schedule = schedule
+    build = Build(
+        captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups,
+        schedule=schedule,
+    )  # fmt: skip
     run_steps(STEPS, build)
     log.info("plan %s: %s", chosen, report.reason)
     compiled = Compiled(

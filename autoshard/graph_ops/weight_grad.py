@@ -105,7 +105,7 @@ class WeightGradStore:
             weight, total = summed.get(id(item.weight), (item.weight, None))
             summed[id(item.weight)] = (weight, grad if total is None else total + grad)
         for (_, group), (runtime, grads) in groups.items():
-            runtime.add_grads(group, tuple(grads))  # the stage's last W: armed, so reduce-scattered
+            runtime.add_grads(group, tuple(grads))  # accumulated; reduce-scattered at the stage's last W (armed)
         if summed:
             weights, totals = zip(*summed.values())
             self.quiet = not completes
@@ -136,7 +136,7 @@ class _DeferringMatmul(torch.autograd.Function):
         device_type = x.device.type
         ctx.gathered = gathered
         cast = _autocast_dtype(device_type)
-        ctx.kind, ctx.weight, ctx.dtypes = kind, weight, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.kind, ctx.weight, ctx.dtypes = kind, weight, (x.dtype, None if bias is None else bias.dtype)
         ctx.bias_shape = None if bias is None else bias.shape
         if cast is not None:  # as autocast runs the matmul: every input in its dtype
             x, weight = x.to(cast), weight.to(cast)
@@ -154,7 +154,7 @@ class _DeferringMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
-        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        x_dtype, bias_dtype = ctx.dtypes
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
             grad_x = grad_output.matmul(weight) if ctx.kind == "linear" else grad_output.mm(weight.t())
@@ -166,7 +166,7 @@ class _DeferringMatmul(torch.autograd.Function):
             if WEIGHT_GRADS.pending is not None:
                 WEIGHT_GRADS.hold(deferred)
             else:
-                grad_weight = deferred.compute().to(weight_dtype)
+                grad_weight = deferred.compute()  # in the weight's dtype
         return None, grad_x, grad_weight, grad_bias, None
 
 

@@ -92,6 +92,7 @@ def timeline(rows: list[tuple[str, list[tuple[str, float, float]]]], title: str)
     end = max(e for _, lane in rows for _, _, e in lane) or 1.0
     width, lane_h, left = 860, 26, 80
     svg = [f'<svg width="{width + left + 20}" height="{lane_h * len(rows) + 24}" role="img">']
+    drawn: set[str] = set()
     for i, (label, lane) in enumerate(rows):
         y = 4 + i * lane_h
         svg.append(f'<text x="0" y="{y + 15}">{esc(label)}</text>')
@@ -100,6 +101,7 @@ def timeline(rows: list[tuple[str, list[tuple[str, float, float]]]], title: str)
             x, w = left + width * start / end, max(1.0, width * (stop - start) / end)
             kind = action.lstrip("0123456789")[:1]  # "1W3": stage 1's W of microbatch 3
             kind = kind if kind in ACTION_COLORS else "F"
+            drawn.add(kind)
             svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane_h - 6}" fill="{ACTION_COLORS[kind]}" '
                        f'stroke="#fff" stroke-width="0.5"><title>{esc(action)}: {start * 1e3:.3f}-{stop * 1e3:.3f} ms'
                        f'</title></rect>')  # fmt: skip
@@ -108,11 +110,7 @@ def timeline(rows: list[tuple[str, list[tuple[str, float, float]]]], title: str)
     svg.append(f'<text x="{left}" y="{lane_h * len(rows) + 18}">0</text>')
     svg.append(f'<text x="{left + width - 60}" y="{lane_h * len(rows) + 18}">{end * 1e3:.3f} ms</text></svg>')
     busy = sum(e - s for _, lane in rows for _, s, e in lane)
-    kinds = [
-        k
-        for k in ACTION_COLORS
-        if k in "FB" or any(a.lstrip("0123456789")[:1] == k for _, lane in rows for a, _, _ in lane)
-    ]
+    kinds = [k for k in ACTION_COLORS if k in "FB" or k in drawn]  # W in the legend where there are any
     idle = 1 - busy / (end * len(rows))
     return (f"<p><b>{esc(title)}</b>: step {end * 1e3:.3f} ms, idle (bubble) {idle:.1%} of rank time</p>"
             + legend(kinds, ACTION_COLORS) + "".join(svg))  # fmt: skip

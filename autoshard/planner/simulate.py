@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Protocol
 
-from autoshard.spec.schedule_builders import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv
+from autoshard.spec.schedule_builders import build_schedule
 from autoshard.spec.schedules import Schedule
 
 __all__ = ["StageCost", "built", "costs", "labels", "simulate", "simulate_shared", "table"]
@@ -31,17 +31,8 @@ class StageCost(Protocol):
 
 @functools.lru_cache(maxsize=512)
 def built(name: str, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
-    """A named schedule (built by its constructor, which is right by construction: compile validates the
-    chosen one again)."""
-    if name == "gpipe":
-        return gpipe(pp, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(pp, microbatches)
-    if name == "zb_h1":
-        return zb_h1(pp, microbatches)
-    if name == "zbv":
-        return zbv(pp, microbatches)
-    return interleaved_1f1b(pp, microbatches, virtual_stages)
+    """A named schedule, not validated (its builder makes it right: compile validates the chosen one again)."""
+    return build_schedule(name, pp, microbatches, virtual_stages, validate=False)
 
 
 @dataclass(frozen=True)

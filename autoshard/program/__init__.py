@@ -21,6 +21,7 @@ from autoshard.distributed.comm import CommCounter, is_comm_failure
 from autoshard.errors import DistributedError, InputError, first_line
 from autoshard.inspection.metrics import Monitor, StepMetrics
 from autoshard.program.data import check_rows
+from autoshard.program.data import data_loader as rank_data_loader
 from autoshard.program.rank_view import RankProgram
 from autoshard.program.state import StateMethods
 from autoshard.runtime.forward import ForwardRunner
@@ -183,11 +184,9 @@ class Program(StateMethods):
         DistributedSampler over the dp ranks: every rank of a tp group or pipeline gets the same rows; a rank
         whose stages read no input loads nothing). ``kwargs`` go to the DataLoader (``collate_fn``,
         ``num_workers``, ...); call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle."""
-        from autoshard.program.data import data_loader
-
         runtime = self._runtime("data_loader()")
-        return data_loader(runtime, self.dp_rank, self.dp_size, dataset, global_batch_size, shuffle, seed, drop_last,
-                           **kwargs)  # fmt: skip
+        return rank_data_loader(runtime, self.dp_rank, self.dp_size, dataset, global_batch_size, shuffle, seed,
+                                drop_last, **kwargs)  # fmt: skip
 
     def local_batch(self, global_tensor: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's rows of a global batch (contiguous slices in dp-rank order)."""

@@ -135,8 +135,7 @@ class ForwardRunner:
         out_nodes = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
         sizes = dict(rt.channel.sizes)
         sizes["B"] = sizes.get("B", 1) * rt.schedule.microbatches
-        last_pp = rt.schedule.rank_of(rt.schedule.n_stages - 1)  # where the last stage runs (the V: rank 0)
-        last = rt.mesh.rank_of(pp=last_pp, dp=rt.coords["dp"], tp=rt.coords["tp"])
+        last = rt.mesh.rank_of(pp=rt.schedule.last_rank, dp=rt.coords["dp"], tp=rt.coords["tp"])
         outputs = []
         for i, node in enumerate(out_nodes):
             shape = get_shape(node).tensor

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,11 +76,6 @@ def split_microbatches(
 
 
 # ---- the schedule runner ------------------------------------------------------------------------
-@contextlib.contextmanager
-def _no_collect() -> Iterator[None]:
-    yield None
-
-
 @dataclass
 class PipelineStats:
     """One step of this rank, measured: wall time of the schedule, time spent computing, activations held."""
@@ -150,7 +145,8 @@ class PipelineRunner:
         the graph itself); ``arm_at_last_w``: where backward is split, arm a stage's reduction before its last
         W rather than its last B (ZeRO-3, whose reduce-scatter sums what was added until then: once a step).
         """
-        self.arm_at_last_w = arm_at_last_w and schedule.splits_backward
+        self.splits = schedule.splits_backward  # B holds weight gradients back for W
+        self.arm_at_last_w = arm_at_last_w and self.splits
         self.before_action = before_action or (lambda action: None)
         self.calls = calls or {}
         self.comm = comm
@@ -251,7 +247,6 @@ class PipelineRunner:
         self.channel.sizes = sizes
         held: dict[tuple[int, int], _Held] = {}
         held_back: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # B ran, W has not
-        collect = WEIGHT_GRADS.collect if self.schedule.splits_backward else _no_collect
         loss_sum: torch.Tensor | None = None
         stats = PipelineStats(microbatch_sizes=dict(sizes))
         start = time.perf_counter()
@@ -285,7 +280,7 @@ class PipelineRunner:
                     if i in self.final_backward and not self.arm_at_last_w:
                         before_final_backward(action.stage)
                     h = held.pop((action.stage, action.microbatch))
-                    with collect() as deferred:
+                    with WEIGHT_GRADS.collect() if self.splits else contextlib.nullcontext() as deferred:
                         if action.stage == self.n_stages - 1:
                             h.loss.backward(torch.full_like(h.loss, 1.0 / self.microbatches))
                         else:

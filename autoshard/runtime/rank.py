@@ -322,7 +322,7 @@ class RankRuntime:
             self.last_grad_norm = clip_by_global_norm(counted, scaled, plan.max_grad_norm, self._sum_all, self.device)
         # The loss of the last stage's ranks (tp rank 0 counts it once), summed over every rank while
         # the optimizer steps: the mean over dp.
-        last_pp = self.schedule.rank_of(self.schedule.n_stages - 1) if self.schedule else 0  # the V: rank 0
+        last_pp = self.schedule.last_rank if self.schedule else 0
         last_stage = self.coords["pp"] == last_pp and self.coords["tp"] == 0
         self._loss.fill_(0.0)
         if loss is not None and last_stage:

@@ -93,6 +93,11 @@ class Schedule:
         return stage % self.pp
 
     @property
+    def last_rank(self) -> int:
+        """The rank the last stage (the loss, the outputs) runs on: pp - 1, or 0 at the end of a V."""
+        return self.rank_of(self.n_stages - 1)
+
+    @property
     def splits_backward(self) -> bool:
         """Whether backward runs as B (input gradients) and W (weight gradients), apart."""
         return any(a.kind == "W" for actions in self.ranks for a in actions)
