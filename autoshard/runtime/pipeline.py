@@ -85,6 +85,7 @@ class PipelineStats:
     peak_in_flight: int = 0
     microbatch_sizes: dict[str, int] = field(default_factory=dict)  # symbol values of one microbatch
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start s, end s) of the step
+    started_at: float = 0.0  # time.perf_counter() at the step's start: one clock for every rank of a host
 
     @property
     def idle_fraction(self) -> float:
@@ -249,7 +250,7 @@ class PipelineRunner:
         held_back: dict[tuple[int, int], list[DeferredWeightGrad]] = {}  # B ran, W has not
         loss_sum: torch.Tensor | None = None
         stats = PipelineStats(microbatch_sizes=dict(sizes))
-        start = time.perf_counter()
+        start = stats.started_at = time.perf_counter()
         posted = {0: self._post(self.actions[0], sizes)} if self.actions else {}
         for i, action in enumerate(self.actions):
             mine = posted.pop(i, None)
