@@ -26,6 +26,7 @@ CONFIGS = {
     "dp2xpp2-1f1b": ({"dp": 2, "pp": 2}, {"schedule": "1f1b", "microbatches": 2}, 2),
     "pp2-zb_h1": ({"pp": 2}, {"schedule": "zb_h1", "microbatches": 4}, 2),
     "pp4-zb_h1": ({"pp": 4}, {"schedule": "zb_h1", "microbatches": 8}, 4),
+    "pp4-zb_h2": ({"pp": 4}, {"schedule": "zb_h2", "microbatches": 8}, 4),
     "dp2xpp2-zb_h1": ({"dp": 2, "pp": 2}, {"schedule": "zb_h1", "microbatches": 4}, 2),
 }
 
@@ -72,6 +73,8 @@ def check_pipeline(ranks, family: str, config: str) -> None:
             "1f1b": min(m, pp - stage_rank),  # at most pp in flight: warm-up pp - 1 - rank, then one more
             "interleaved_1f1b": min(m * v, (pp - stage_rank - 1) * 2 + (v - 1) * pp + 1),
             "zb_h1": min(m, pp),  # rank r holds r W's back on top of 1F1B's pp - r (a W frees what it reads)
+            # the first rank's warm-up; later ranks hold W's back until nothing else can run (the tail)
+            "zb_h2": min(m, 2 * pp - 1),
         }[plan["schedule"]]
         assert result["peak_in_flight"] == expected, (rank, result["peak_in_flight"], expected)
         # Each stage ran on microbatches of the dp rank's rows, not on its whole batch.

@@ -131,7 +131,7 @@ def _pipeline_options(
         for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
         return
-    schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"])
+    schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"])
     for schedule in schedules:
         if not isinstance(schedule, str):
             yield {"schedule": schedule}

@@ -1,7 +1,8 @@
 """The named pipeline schedules, built as data (autoshard/spec/schedules.py) and validated there.
 
 ``gpipe``, ``one_f_one_b`` and ``interleaved_1f1b`` run one backward an action; the zero-bubble ones
-split it into B and W: ``zb_h1`` in 1F1B's order, ``zbv`` on two stages a rank placed as a V.
+split it into B and W: ``zb_h1`` in 1F1B's order, ``zb_h2`` with a longer warm-up at twice the
+activations, ``zbv`` on two stages a rank placed as a V.
 ``build_schedule`` makes one by name, as a plan names it.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from autoshard.spec.schedules import Action, Schedule, ScheduleError
 
-__all__ = ["build_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zbv"]
+__all__ = ["build_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zb_h2", "zbv"]
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
@@ -101,15 +102,31 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
     return Schedule("zb_h1", pp, microbatches, 1, tuple(ranks))
 
 
+def zb_h2(pp: int, microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024): one stage a rank, backward split into B and W, with more forwards in the
+    warm-up than 1F1B's (rank r runs up to 2(pp-r)-1 before its first B: the start of the bubble fills)
+    and the W's that nothing waits for moved to the tail, where 1F1B's cool-down idles. Rank r holds up to
+    2pp-1 microbatches (forward run, W not yet): about twice 1F1B's first rank. Built by the list
+    scheduling ``zbv`` uses, one stage a rank."""
+    return _list_scheduled("zb_h2", pp, microbatches, [(r,) for r in range(pp)], 2 * pp - 1)
+
+
 def zbv(pp: int, microbatches: int) -> Schedule:
     """ZBV (Qi et al. 2024): two stages a rank placed as a V (rank r holds stages r and 2pp-1-r, so the
     first and the last stage share rank 0 and the turn at rank pp-1 is a hand-over inside one rank),
-    backward split into B and W. Built by list scheduling in time units where F, B and W take one each:
-    a free rank runs the B whose gradient has arrived (the critical path), else the forward furthest
-    along that has its input (one on the way down only while the rank holds fewer than 2pp
-    stage-microbatches, 1F1B's first rank's activations: each stage is half of 1F1B's), else its oldest
-    pending W."""
-    n = 2 * pp
+    backward split into B and W, built by list scheduling (below), the stage nearer the loss first. A rank
+    takes on a forward only while it holds fewer than 2pp stage-microbatches, 1F1B's first rank's
+    activations (each stage is half of 1F1B's)."""
+    return _list_scheduled("zbv", pp, microbatches, [(2 * pp - 1 - r, r) for r in range(pp)], 2 * pp)
+
+
+def _list_scheduled(name: str, pp: int, microbatches: int, stages_of: list[tuple[int, ...]], limit: int) -> Schedule:
+    """List scheduling in time units where F, B and W take one each: a free rank runs the B whose gradient
+    has arrived (the critical path), else the forward furthest along that has its input, if the rank holds
+    fewer than ``limit`` stage-microbatches (forward run, W not yet), else its oldest pending W.
+    ``stages_of[r]``: rank r's stages, in the order it prefers them."""
+    virtual = len(stages_of[0])
+    n = pp * virtual
     schedule_ranks: list[list[Action]] = [[] for _ in range(pp)]
     finished: dict[Action, int] = {}  # action -> the time unit it ran in
     next_f, next_b = [0] * n, [0] * n  # per stage, the next microbatch to run F and B of
@@ -124,17 +141,14 @@ def zbv(pp: int, microbatches: int) -> Schedule:
     while left:
         progressed = False
         for r in range(pp):
-            down, up = r, n - 1 - r
             choice = None
-            for stage in (up, down):  # the B nearer the loss first: it unblocks the most
+            for stage in stages_of[r]:  # the B nearer the loss first: it unblocks the most
                 if next_b[stage] < microbatches and ready(Action(stage, "B", next_b[stage])):
                     choice = Action(stage, "B", next_b[stage])
                     break
-            if choice is None:
-                for stage in (up, down):  # finishing a microbatch before taking on another
+            if choice is None and held[r] < limit:
+                for stage in stages_of[r]:  # finishing a microbatch before taking on another
                     if next_f[stage] < microbatches and ready(Action(stage, "F", next_f[stage])):
-                        if held[r] >= n:
-                            continue
                         choice = Action(stage, "F", next_f[stage])
                         break
             if choice is None and pending_w[r]:
@@ -154,9 +168,10 @@ def zbv(pp: int, microbatches: int) -> Schedule:
             else:
                 held[r] -= 1
         if not progressed:  # what finished before t is visible at t: nothing will change
-            raise ScheduleError(f"zbv cannot be built for pp={pp}, microbatches={microbatches}")
+            raise ScheduleError(f"{name} cannot be built for pp={pp}, microbatches={microbatches}")
         t += 1
-    return Schedule("zbv", pp, microbatches, 2, tuple(tuple(row) for row in schedule_ranks), placement="v")
+    placement = "v" if virtual == 2 else "loop"
+    return Schedule(name, pp, microbatches, virtual, tuple(tuple(row) for row in schedule_ranks), placement=placement)
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1, validate: bool = True) -> Schedule:
@@ -172,12 +187,14 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         schedule = interleaved_1f1b(pp, microbatches, virtual_stages)
     elif name == "zb_h1":
         schedule = zb_h1(pp, microbatches)
+    elif name == "zb_h2":
+        schedule = zb_h2(pp, microbatches)
     elif name == "zbv":
         if virtual_stages != 2:
             raise ScheduleError(f"zbv runs two stages on each rank; virtual_stages={virtual_stages} must be 2")
         schedule = zbv(pp, microbatches)
     else:
-        raise ScheduleError(f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b, zb_h1 or zbv")
+        raise ScheduleError(f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2 or zbv")
     if name not in ("interleaved_1f1b", "zbv") and virtual_stages != 1:
         raise ScheduleError(f"{name} runs one stage per rank; virtual_stages={virtual_stages} needs interleaved_1f1b")
     if validate:
