@@ -23,12 +23,13 @@ from training_loop import add_loop_args, batches, train
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
 from autoshard.launch import init_from_torchrun
+from autoshard.spec.plan import SCHEDULES
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks per pipeline)")
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"])
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=4)
     add_loop_args(parser)
     args = parser.parse_args()
