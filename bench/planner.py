@@ -42,6 +42,9 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
     ("pp4 gpipe", {"pp": 4}, {"schedule": "gpipe", "microbatches": 4}),
     ("pp4 1f1b", {"pp": 4}, {"schedule": "1f1b", "microbatches": 8}),
     ("dp2 x pp2", {"dp": 2, "pp": 2}, {"microbatches": 4}),
+    ("pp4 zb_h1", {"pp": 4}, {"schedule": "zb_h1", "microbatches": 8}),
+    ("pp4 zb_h2", {"pp": 4}, {"schedule": "zb_h2", "microbatches": 8}),
+    ("dp2 x pp2 zbv", {"dp": 2, "pp": 2}, {"schedule": "zbv", "virtual_stages": 2, "microbatches": 4}),
 ]
 
 
@@ -85,6 +88,7 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
     # machine does only ever adds to a step (Hardware.measure() times the same way), and its drift over the
     # minutes this takes falls on every plan alike instead of on the plans measured at that moment.
     times: list[list[float]] = [[] for _ in runs]
+    idle: list[list[float]] = [[] for _ in runs]  # pipelines: this rank's seconds outside its actions, each round
     calibrations = [hardware]
     for round_ in range(steps):
         if round_ in CALIBRATE_BEFORE:  # calibrated again amid the rounds: the machine as they saw it
@@ -96,15 +100,18 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
             start = time.perf_counter()
             program.step(x, target=y)
             times[i].append(time.perf_counter() - start)
+            stats = program.pipeline_stats
+            idle[i].append(0.0 if stats is None else stats.step_seconds - stats.busy_seconds)
     rows = []
-    for (name, program, x, y), seconds, (_, mesh, _) in zip(runs, times, PLANS):
+    for (name, program, x, y), seconds, waited, (_, mesh, _) in zip(runs, times, idle, PLANS):
         held = _held(program)
         peak = held + _peak_allocated(lambda p=program, x=x, y=y: p.step(x, target=y))
         chosen = program.plan_report.chosen
         rows.append({
             "name": name, "plan": str(program.plan), "predicted": chosen.step_time,
-            "measured": min(seconds), "rounds": seconds, "predicted_bytes": chosen.memory.total, "peak_bytes": peak,
-            "why": chosen.why, "time": str(chosen.time), "hardware": hardware.to_json(),
+            "measured": min(seconds), "rounds": seconds, "idle": waited, "predicted_bytes": chosen.memory.total,
+            "peak_bytes": peak, "why": chosen.why, "time": str(chosen.time), "bubble": chosen.time.bubble,
+            "hardware": hardware.to_json(),
             "fixed": program.plan, "mesh": mesh, "calibrations": [h.to_json() for h in calibrations],
         })  # fmt: skip
     return rows
@@ -144,6 +151,10 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
         row["measured"] = max(r[i]["measured"] for r in per_rank)
         row["peak_bytes"] = max(r[i]["peak_bytes"] for r in per_rank)
         row["rounds"] = [max(each) for each in zip(*(r[i]["rounds"] for r in per_rank))]  # the slowest rank's
+        # The bubble as the planner counts it, on the rank that computes the most (it idles the least), in
+        # the round where the step was fastest.
+        fastest_round = min(range(len(row["rounds"])), key=row["rounds"].__getitem__)
+        row["idle"] = min(r[i]["idle"][fastest_round] for r in per_rank)
         rows.append(row)
     # The machine's speed drifts by tens of percent over minutes, and each calibration sees it at one moment,
     # while the measured steps are the fastest of rounds spread over the run. So the ranks calibrate
@@ -166,6 +177,7 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
               f"{_spearman(times, measured):.3f}, errors {errors}")  # fmt: skip
     for row, chosen in zip(rows, predicted[fastest]):
         row.update(predicted=chosen.step_time, predicted_bytes=chosen.memory.total, time=str(chosen.time))
+        row["bubble"] = chosen.time.bubble
         row["hardware"] = rows[0]["calibrations"][fastest]
     print(f"\n| plan | predicted ms | measured ms | error | predicted MiB | peak MiB | error |\n|{'---|' * 7}")
     for r in rows:
@@ -175,6 +187,11 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
             f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | {t_err:+.0%} | "
             f"{r['predicted_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | {m_err:+.0%} |"
         )
+    print(f"\n| pipeline | predicted bubble ms | measured idle ms (least idle rank) | error |\n|{'---|' * 4}")
+    for r in rows:
+        if "pp" in r["mesh"]:
+            print(f"| {r['name']} | {r['bubble'] * 1e3:.1f} | {r['idle'] * 1e3:.1f} | "
+                  f"{r['bubble'] / max(r['idle'], 1e-9) - 1:+.0%} |")  # fmt: skip
     for r in rows:
         print(f"  {r['name']}: predicted {r['time']}")
     print(f"  hardware (calibration {fastest}): {rows[0]['hardware']}")
