@@ -736,4 +736,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_mutation_gaps.py"],
         "k": "reuse and zero3-zb_h1",
     },
+    {
+        "name": "99_an_earlier_w_overwrites_the_gradient",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": "a W before the stage's last one writes its weight gradients over the earlier microbatches' instead of adding",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "edges and gpt2-pp2-recompute",
+    },
 ]
