@@ -739,7 +739,7 @@ MUTANTS: list[dict] = [
     {
         "name": "99_an_earlier_w_overwrites_the_gradient",
         "file": "autoshard/graph_ops/weight_grad.py",
-        "why": "a W before the stage's last one writes its weight gradients over the earlier microbatches' instead of adding",
+        "why": "a W before the stage's last one writes over the earlier microbatches' weight gradients",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "edges and gpt2-pp2-recompute",
     },
