@@ -743,4 +743,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "edges and gpt2-pp2-recompute",
     },
+    {
+        "name": "100_zb_h2_holds_past_its_bound",
+        "file": "autoshard/spec/schedule_builders.py",
+        "why": "ZB-H2 starts forwards past 2pp-1 microbatches held",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "zb_h2_warms_up",
+    },
 ]
