@@ -5,8 +5,9 @@ parameter into ``matmul_deferring_weight_grad``. Its backward computes the input
 gradient at once, as the op's own backward would; the weight's gradient too, unless a pipeline's B
 is collecting (``WEIGHT_GRADS.collect()``): then it keeps the two factors of that gradient (the
 matmul's input and its output's gradient) and returns none, and the schedule's W for that stage and
-microbatch computes them later (``apply``), accumulating into ``.grad`` through autograd so that the
-gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see them as they see any other. Under ZeRO-3 the
+microbatch computes them later (``apply``) and adds them into ``.grad``: the stage's last W through
+autograd, so that the gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see the completed gradients
+arrive as they see any other, the earlier W's in place. Under ZeRO-3 the
 weight is a view of its layer's gather; W needs no gathered value (the gradient is the product of the
 two factors) and adds into the layer's flat gradient as the gather's backward does.
 
@@ -101,8 +102,8 @@ class WeightGradStore:
         weight (a weight read twice is summed first, as autograd sums before it accumulates). ``completes``:
         whether this is the stage's last W. Its accumulations go through autograd, one backward call a
         weight, so that each parameter's gradient hook fires once, with every contribution in: they are the
-        gradients' arrivals. An earlier W's are no arrival, so it adds in place, as
-        autograd's accumulation does, and fires no hook."""
+        gradients' arrivals. An earlier W's are no arrival, so it adds in place, as autograd's accumulation
+        does, and fires no hook."""
         if not deferred:
             return
         uses: dict[int, int] = {}
