@@ -541,7 +541,8 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
 
     timings = _alternate(our_step_measured, their_step, data, rounds)
     in_flight = program.pipeline_stats.peak_in_flight
-    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight}
+    peak = _peak_allocated(lambda: our_step(*data[0]))  # activations and a step's temporaries
+    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight, "peak": peak}
 
 
 def _alternate(
@@ -632,7 +633,15 @@ def bench_zero_bubble() -> None:
             for s in results
             for who in ("autoshard", "torch")
         }
+        peak = {s: max(r["peak"] for r in results[s]) for s in results}
         for schedule in ("zb_h1", "zbv"):
+            report(
+                f"pp={ranks} m={m}: peak tensor bytes allocated in a step (most loaded rank), {schedule} vs 1f1b",
+                f"{peak[schedule] / 2**20:.1f} MiB",
+                f"1f1b {peak['1f1b'] / 2**20:.1f} MiB",
+                peak[schedule] / peak["1f1b"],
+                "<= 1.1" if schedule == "zb_h1" else "reported",
+            )
             report(
                 f"pp={ranks} m={m}: mean idle fraction per rank, {schedule} vs 1f1b",
                 f"{idle[schedule]:.3f}",
