@@ -4,8 +4,9 @@ Reads:  autoshard.shape
 Writes: autoshard.ir.cost (meta.NodeCost) on every node but the output
 
 FLOPs follow the convention of ``torch.utils.flop_counter``: matrix-multiply class work only
-(mm, addmm, bmm, baddbmm, matmul, linear, convolution, scaled-dot-product attention), two FLOPs a
-multiply-add. Elementwise work is memory bound and shows up as activation bytes instead.
+(mm, addmm, bmm, baddbmm, matmul, linear, convolution, scaled-dot-product attention, and the grouped
+matmuls of mixture-of-experts layers: aten._grouped_mm and the fallback op transformers registers),
+two FLOPs a multiply-add. Elementwise work is memory bound and shows up as activation bytes instead.
 Backward FLOPs: one forward-sized product per operand that needs a gradient (dX = dY Wᵀ and
 dW = Xᵀ dY), and twice the forward for attention (dP, dQ, dK, dV). Activation bytes are the bytes
 of every non-view tensor the forward computes on the gradient path: an upper bound of what
@@ -25,7 +26,7 @@ from autoshard.ir.ops import ALIASING, packet
 
 from .infra import Need, Pass, PassResult
 
-__all__ = ["FLOP_RULES", "PASS", "run"]
+__all__ = ["FLOP_RULES", "NAMED_FLOP_RULES", "PASS", "run"]
 
 aten = torch.ops.aten
 
@@ -83,6 +84,18 @@ def _attention(node: fx.Node, ops: Operands, out: TensorShape) -> tuple[sympy.Ex
     return fwd, 2 * fwd if needs_grad else sympy.Integer(0)
 
 
+def _grouped_mm(node: fx.Node, ops: Operands, out: TensorShape) -> tuple[sympy.Expr, sympy.Expr]:
+    """A grouped matmul (x[rows, K] by weights[E, K, N], rows sorted by group, ``offs`` their ends): each row
+    meets its own group's matrix, so the work is that of x @ one [K, N] matrix, whatever the groups' sizes
+    (a mixture of experts costs its active experts only). Both operands 2-D (the output [E, K, N], one
+    product a group over its rows): K x N x rows."""
+    a, b = ops[0], ops[1]
+    if len(a.sizes) == 2 and len(b.sizes) == 2:
+        fwd = 2 * out.sizes[-2] * out.sizes[-1] * a.sizes[-1]
+        return fwd, fwd * _grad_factor(a, b)
+    return _contracted(out, a.sizes[-1], a, b)
+
+
 FLOP_RULES: dict[object, FlopRule] = {
     aten.mm: _mm,
     aten.bmm: _mm,
@@ -98,7 +111,11 @@ FLOP_RULES: dict[object, FlopRule] = {
     aten._scaled_dot_product_flash_attention: _attention,
     aten._scaled_dot_product_efficient_attention: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+    aten._grouped_mm: _grouped_mm,
 }
+# Ops of other libraries, by qualified name (importing the library to key them by object is not this
+# pass's business): transformers' grouped matmul for weights _grouped_mm does not take (fp32, CPU).
+NAMED_FLOP_RULES: dict[str, FlopRule] = {"transformers::grouped_mm_fallback": _grouped_mm}
 
 
 def run(gm: fx.GraphModule) -> PassResult:
@@ -122,7 +139,7 @@ def run(gm: fx.GraphModule) -> PassResult:
                 param_bytes = param.numel() * param.element_size()
         elif node.op == "call_function":
             op = packet(node.target)
-            rule = FLOP_RULES.get(op)
+            rule = FLOP_RULES.get(op) or NAMED_FLOP_RULES.get(getattr(op, "_qualified_op_name", ""))
             if rule is not None:
                 flops_fwd, flops_bwd = rule(node, _operand_shapes(node), shape.tensors[0])
             if op not in ALIASING and isinstance(node.target, torch._ops.OpOverload):

@@ -21,9 +21,9 @@ B = sympy.Symbol("B", integer=True, positive=True)
 aten = torch.ops.aten
 
 
-def flops(model: nn.Module, *inputs: torch.Tensor) -> list[tuple[object, sympy.Expr, sympy.Expr]]:
+def flops(model: nn.Module, *inputs: torch.Tensor, **kwargs: object) -> list[tuple[object, sympy.Expr, sympy.Expr]]:
     """(op, forward FLOPs, backward FLOPs) of every node that has FLOPs, in graph order."""
-    captured = capture(model, inputs)
+    captured = capture(model, inputs, kwargs or None)
     passes.analyze(captured.gm, captured.rename)
     out = []
     for node in captured.gm.graph.nodes:
@@ -135,3 +135,52 @@ def test_matrix_products_contract_over_the_inner_size(op) -> None:
     [(fwd, bwd)] = [(f, b) for o, f, b in costs if o == op]
     assert same(fwd, 2 * (2 * B * 7) * 5)
     assert same(bwd, fwd)
+
+
+def test_a_mixture_of_experts_costs_its_active_experts_only() -> None:
+    """Hugging Face Mixtral's experts run as grouped matmuls over the k x tokens (token, expert) pairs, sorted
+    by expert: each pair meets one expert's matrices, so the FLOPs are those of the pairs through one
+    expert's MLP, not E of them (and not zero, as before the grouped matmuls had a rule)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    hidden, inter, experts, top_k = 32, 48, 4, 2
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    counted = flops(model, ids, labels=ids, use_cache=False)
+    grouped = [(fwd, bwd) for op, fwd, bwd in counted if "grouped_mm" in str(op)]
+    assert len(grouped) == 2, counted  # gate and up fused, then down
+    s = sympy.Symbol("S", integer=True, positive=True)
+    pairs = top_k * B * s
+    (up_fwd, up_bwd), (down_fwd, down_bwd) = grouped
+    assert same(up_fwd, 2 * pairs * hidden * 2 * inter)  # [pairs, H] by [E, H, 2I]
+    assert same(down_fwd, 2 * pairs * inter * hidden)  # [pairs, I] by [E, I, H]
+    assert same(up_bwd, 2 * up_fwd) and same(down_bwd, 2 * down_fwd)  # the pairs' and the experts' gradients
+
+
+class GroupedMatmuls(nn.Module):
+    """aten._grouped_mm both ways: rows by a group's matrix ([B, 16] by [2, 16, 24]), and each group's rows
+    contracted on their own ([16, B] by [B, 24] -> [2, 16, 24], the form of an expert's weight gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, 16, 24, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor, x_by_column: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        y = torch._grouped_mm(x, self.experts, offs)
+        return torch._grouped_mm(x_by_column, y, offs).float().sum()
+
+
+def test_grouped_matmul_flops_are_one_matrix_a_row_and_one_product_a_group() -> None:
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    (op1, fwd1, bwd1), (op2, fwd2, bwd2) = flops(GroupedMatmuls(), x, x.t().contiguous(), offs)
+    assert op1 == op2 == aten._grouped_mm
+    assert same(fwd1, 2 * B * 16 * 24)  # each of the B rows through one [16, 24] matrix
+    assert same(bwd1, fwd1)  # the rows are data: only the experts' gradient
+    assert same(fwd2, 2 * 16 * 24 * 8)  # [16, 24] per group, over its rows: 8 in all (a width, not the batch)
+    assert same(bwd2, fwd2)  # y's gradient; the other operand is data
