@@ -750,4 +750,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "zb_h2_warms_up",
     },
+    {
+        "name": "101_grouped_matmul_costs_every_expert",
+        "file": "passes/cost_model.py",
+        "why": "a grouped matmul costs every row through every group's matrix, not its own",
+        "tests": ["tests/test_flops.py"],
+        "k": "grouped or mixture",
+    },
 ]
