@@ -207,3 +207,30 @@ def test_step_target_of_another_size_than_compiled(mlp) -> None:
         program.step(x[:, :15], target=y)
     with pytest.raises(InputError, match=re.escape("step(): target is torch.float32 of shape (8,); the program")):
         program.step(x, target=y.float())
+
+
+def test_a_mixture_of_experts_in_transformers_eager_loop_is_told_the_implementation_that_captures() -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+
+    def mixtral(implementation: str) -> nn.Module:
+        config = transformers.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            experts_implementation=implementation,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.MixtralForCausalLM(config)
+
+    ids = torch.randint(0, 64, (2, 8))
+    kwargs = {"labels": ids, "use_cache": False}
+    with pytest.raises(CaptureError) as info:
+        autoshard.compile(mixtral("eager"), 1, (ids,), kwargs)
+    lines = str(info.value).splitlines()
+    assert "GuardOnDataDependentSymNode" in lines[0] and "modeling_mixtral.py" in lines[1]
+    assert lines[2] == (
+        "  this model's experts run transformers' 'eager' implementation, a Python loop over the experts the "
+        "batch routes to, which no trace can hold: build it with experts_implementation='grouped_mm' "
+        "(transformers' default), which runs the same experts as grouped matmuls"
+    )
+    autoshard.compile(mixtral("grouped_mm"), 1, (ids,), kwargs)  # the fix the message names

@@ -198,9 +198,18 @@ def _trace(
         assert error is not None
         summary = first_line(error, 400)
         where = _user_frame(error) or "(no frame of the model's own code in the traceback)"
+        experts = ""
+        if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+            # transformers' "eager" experts loop over the experts a batch routes to: a data-dependent loop
+            experts = (
+                "\n  this model's experts run transformers' 'eager' implementation, a Python loop over the "
+                "experts the batch routes to, which no trace can hold: build it with "
+                "experts_implementation='grouped_mm' (transformers' default), which runs the same experts as "
+                "grouped matmuls"
+            )
         raise CaptureError(
             f"autoshard could not capture {name} with torch.export (non-strict, batch dimension dynamic): "
-            f"{type(error).__name__}: {summary}\n  failing source: {where}\n"
+            f"{type(error).__name__}: {summary}\n  failing source: {where}{experts}\n"
             f"  try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), pass "
             f"constant arguments through example_kwargs (e.g. use_cache=False for HF models), and check "
             f"that the model runs eagerly on example_inputs"
