@@ -711,7 +711,7 @@ MUTANTS: list[dict] = [
     {
         "name": "95_zbv_holds_more_than_1f1b",
         "file": "autoshard/spec/schedule_builders.py",
-        "why": "ZBV starts forwards past 1F1B's first rank's activations",
+        "why": "ZBV warms up with two more forwards down the V than 2(pp-r)-1, past 1F1B's first rank's activations",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "zbv_is_valid",
     },
