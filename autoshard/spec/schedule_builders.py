@@ -123,7 +123,7 @@ def zbv(pp: int, microbatches: int) -> Schedule:
     a stage's forward, pp=4 and 8 microbatches idle 0.34x of 1F1B's, against 0.54x for a schedule
     list-built for zero latency. With microbatches <= pp that order idles more than the list-built one
     (0.47x of 1F1B's at pp=4, m=4, against 0.26x), which is then used: it holds 2pp at most too."""
-    if microbatches <= pp:  # too few for the steady state: list-built, as zb_h2 (0.26x of 1F1B at pp=4, m=4)
+    if microbatches <= pp:  # too few for the steady state: list-built, as zb_h2
         return _list_scheduled("zbv", pp, microbatches, [(2 * pp - 1 - r, r) for r in range(pp)], 2 * pp)
     n_micro = max(2 * pp - 1, microbatches)  # the steady state's shape; microbatches past the last are dropped
     ranks = []
