@@ -15,6 +15,7 @@ from . import (
     autocast_asserts,
     cost_model,
     dropout_masks,
+    expert_parallel,
     grad_buckets,
     graph_buckets,
     layer_assign,
@@ -44,6 +45,7 @@ __all__ = [
     "check_graph",
     "cost_model",
     "dropout_masks",
+    "expert_parallel",
     "grad_buckets",
     "graph_buckets",
     "layer_assign",
@@ -65,6 +67,7 @@ ANALYSES = (shape_prop.PASS, layer_assign.PASS, cost_model.PASS)
 ALL = (
     *ANALYSES,
     autocast_asserts.PASS,
+    expert_parallel.PASS,
     tp_placement.PASS,
     tp_rewrite.PASS,
     dropout_masks.PASS,

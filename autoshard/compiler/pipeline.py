@@ -4,6 +4,7 @@ Each step is a pass and the condition under which it runs, in the order the grap
 pass manager (passes/infra.py ``run_steps``) runs them and logs each result:
 
     autocast_asserts              the plan computes under autocast: drop export's dtype checks
+    expert_parallel               ep > 1: split the experts, dispatch and combine each layer's rows
     tp_placement, tp_rewrite      tp > 1: shard the weights, insert the collectives and local sizes
     dropout_masks                 dropout_masks="single_device": each dropout reads one device's mask
     pipeline_split                pp > 1: cut the graph into stages of balanced cost
@@ -64,6 +65,14 @@ class Build:
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
         return [s.gm for s in self.stages] or [self.gm]
+
+
+def _expert_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
+    plan = b.plan
+    if plan.tp > 1 or plan.zero == 3:
+        missing = f"tp={plan.tp} (experts sharded by tensor parallelism)" if plan.tp > 1 else "zero=3"
+        raise PlanError(f"ep={plan.ep} with {missing} is not built yet; use ep with tp=1 and zero 0, 1 or 2, or ep=1")
+    return run_pass(passes.expert_parallel.PASS, gm, plan.ep)
 
 
 def _tp_placement(b: Build, gm: fx.GraphModule) -> PassResult:
@@ -128,6 +137,7 @@ def _saved_tensors(b: Build, gm: fx.GraphModule) -> PassResult:
 STEPS: tuple[Step[Build], ...] = (
     Step(passes.autocast_asserts.PASS, lambda b: b.plan.autocast is not None,
          lambda b, gm: run_pass(passes.autocast_asserts.PASS, gm)),
+    Step(passes.expert_parallel.PASS, lambda b: b.plan.ep > 1, _expert_parallel),
     Step(passes.tp_placement.PASS, lambda b: b.plan.tp > 1, _tp_placement),
     Step(passes.tp_rewrite.PASS, lambda b: b.plan.tp > 1, _tp_rewrite),
     Step(passes.dropout_masks.PASS, lambda b: b.plan.dropout_masks == "single_device", _dropout_masks),

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import fx, nn
 
-from autoshard.ir.meta import get_stage
+from autoshard.ir.meta import get_expert, get_stage
 from autoshard.ir.placements import OnStages, ParamPlacement, Replicate, Shard
 
 if TYPE_CHECKING:
@@ -32,13 +32,14 @@ def stages_reading(gm: fx.GraphModule, pp: int) -> dict[int, frozenset[int]]:
 
 def partition(
     gm: fx.GraphModule, stages_of: dict[int, frozenset[int]], opt_groups: dict[int, int]
-) -> dict[str, tuple[frozenset[int], int | None]]:
-    """Each trainable parameter's (stages reading it, the user's optimizer group): what a flat group keeps apart."""
+) -> dict[str, tuple[frozenset[int], int | None, bool]]:
+    """Each trainable parameter's (stages reading it, the user's optimizer group, whether it is an expert weight
+    that ep splits): what a flat group keeps apart."""
     out = {}
     for node in gm.graph.nodes:
         param = _parameter(gm, node.target) if node.op == "get_attr" else None
         if param is not None and id(param) in stages_of:
-            out[node.target] = (stages_of[id(param)], opt_groups.get(id(param)))
+            out[node.target] = (stages_of[id(param)], opt_groups.get(id(param)), get_expert(node) is not None)
     return out
 
 
@@ -53,6 +54,8 @@ def param_placements(
     """Every state tensor's placement per mesh dimension."""
     tp_of = {id(compiled_gm.get_parameter(t)): p for t, p in (tp_report.weights if tp_report else {}).items()}
     partial = {id(compiled_gm.get_parameter(t)) for t in (tp_report.partial_grad_params if tp_report else ())}
+    graph = compiled_gm.graph
+    experts = {id(compiled_gm.get_parameter(n.target)) for n in graph.nodes if n.op == "get_attr" and get_expert(n)}
     out = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
@@ -61,7 +64,8 @@ def param_placements(
         dp = Shard(0) if plan.zero == 3 and trainable and read_by else Replicate()
         tp = tp_of.get(id(tensor), Replicate())
         tp = tp if isinstance(tp, Shard) else Replicate()
-        out[key] = ParamPlacement(key, tuple(tensor.shape), trainable, pp, dp, tp, id(tensor) in partial)
+        ep = Shard(0) if id(tensor) in experts else Replicate()
+        out[key] = ParamPlacement(key, tuple(tensor.shape), trainable, pp, dp, tp, id(tensor) in partial, ep)
     return out
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from autoshard.spec.mesh import Mesh
 
-__all__ = ["make_group", "shared_group"]
+__all__ = ["expert_groups", "make_group", "shared_group"]
 
 
 _groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
@@ -49,3 +49,17 @@ def make_group(
         if rank in ranks:
             mine = group
     return mine
+
+
+def expert_groups(
+    mesh: Mesh, rank: int, ep: int, timeout: timedelta
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's expert-parallel group and its expert-data-parallel group (Mesh.expert_groups), every
+    rank creating every group in the same order."""
+    mine: list[Any] = [None, None]
+    for kind in (0, 1):
+        for ranks in dict.fromkeys(tuple(mesh.expert_groups(r, ep)[kind]) for r in range(mesh.size)):
+            group = shared_group(ranks, timeout)
+            if rank in ranks:
+                mine[kind] = group
+    return mine[0], mine[1]

@@ -42,6 +42,9 @@ __all__ = [
     "ZERO3",
     "ZERO_GROUP",
     "FlatSlot",
+    "EXPERT",
+    "ExpertLayer",
+    "get_expert",
     "NodeCost",
     "NodeShape",
     "PIPE",
@@ -81,6 +84,7 @@ MODEL_PREFIX = MODEL_ATTR + "."
     SAVED,
     USER_RECOMPUTE,
     MASK,
+    EXPERT,
 ) = (
     "autoshard.shape",
     "autoshard.layer",
@@ -96,6 +100,7 @@ MODEL_PREFIX = MODEL_ATTR + "."
     "autoshard.saved",
     "autoshard.user_recompute",
     "autoshard.dropout_mask",
+    "autoshard.expert",
 )
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
@@ -116,6 +121,7 @@ PRODUCERS = {
     USER_RECOMPUTE: "autoshard.capture",
     SAVED: "passes.saved_tensors",
     MASK: "passes.dropout_masks",
+    EXPERT: "passes.expert_parallel",
 }
 
 
@@ -190,6 +196,21 @@ class NodeCost:
     flops_bwd: sympy.Expr
     param_bytes: int
     activation_bytes: sympy.Expr
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """A mixture-of-experts layer that expert parallelism splits: on its expert weights (sharded along dim 0,
+    the expert dimension, over the ep ranks) and on its dispatch and combine nodes."""
+
+    layer: str  # the layer's name (its router's module path)
+    experts: int  # E, every rank's count before the split
+    ep: int  # the expert-parallel degree: each rank holds experts // ep of them
+
+
+def get_expert(node: fx.Node) -> ExpertLayer | None:
+    """The expert layer a node belongs to (written by passes.expert_parallel), or None."""
+    return node.meta.get(EXPERT)
 
 
 @dataclass(frozen=True)

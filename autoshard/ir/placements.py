@@ -97,6 +97,8 @@ class ParamPlacement:
     tp    Shard(dim) (strided: Shard(dim, blocks)) when tensor parallelism splits it; Replicate() otherwise
     partial_over_tp: its gradient is a partial sum on each tp rank (a replicated weight used on
           sequence shards, or a bias split over the ranks), summed over tp after backward
+    ep    Shard(0): an expert weight split over the ep ranks (each holds E / ep experts), data parallel over
+          the dp / ep ranks that hold the same experts; Replicate() otherwise
     """
 
     key: str
@@ -106,6 +108,7 @@ class ParamPlacement:
     dp: Shard | Replicate
     tp: Shard | Replicate
     partial_over_tp: bool = False
+    ep: Shard | Replicate = Replicate()
 
     @property
     def tied(self) -> bool:
@@ -115,7 +118,7 @@ class ParamPlacement:
     def held_on(self, pp_rank: int) -> bool:
         return not isinstance(self.pp, OnStages) or pp_rank in self.pp.ranks
 
-    def counts_in_norm(self, coords: dict[str, int], grad_sharded_over_dp: bool) -> bool:
+    def counts_in_norm(self, coords: dict[str, int], grad_sharded_over_dp: bool, ep: int = 1) -> bool:
         """Whether this rank's copy of the gradient counts in the global norm: every element exactly once.
 
         A dimension that shards the gradient counts every rank's part; one that replicates it counts
@@ -127,7 +130,11 @@ class ParamPlacement:
             return False
         if isinstance(self.pp, Replicate) and coords["pp"] != 0:
             return False
-        return grad_sharded_over_dp or coords["dp"] == 0
+        if grad_sharded_over_dp:
+            return True
+        if isinstance(self.ep, Shard):  # each ep rank's experts, once: on the first ranks holding them
+            return coords["dp"] < ep
+        return coords["dp"] == 0
 
     def by_dim(self) -> dict[str, Placement]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}

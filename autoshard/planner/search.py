@@ -103,6 +103,9 @@ def enumerate_plans(
         if not local and not fixed_mesh:
             refused[f"dp={dp} does not divide the global batch of {rows}"] = None
             continue
+        if dp % overrides.get("ep", 1):
+            refused[f"ep={overrides['ep']} does not divide dp={dp} (ep groups are carved out of dp)"] = None
+            continue
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero in zeros:
             for offload in _options("offload", overrides, [False, True] if zero else [False]):

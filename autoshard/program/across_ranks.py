@@ -1,7 +1,7 @@
 """The model's state across ranks, read off each tensor's ParamPlacement.
 
 ``full_state`` joins it on rank 0: the holder gathers dp shards (ZeRO-3), tp shards are gathered
-over tp, and each tensor comes from the first pipeline rank that holds it. ``load_full_state``
+over tp, experts over ep, and each tensor comes from the first pipeline rank that holds it. ``load_full_state``
 is the converse: every rank takes its share of a full state dict. ``local_state`` is what this rank
 holds.
 """
@@ -57,6 +57,8 @@ def full_state(rt: RankRuntime, masters: bool = False) -> dict[str, torch.Tensor
         value = whole.get(id(tensor), tensor.detach())
         tp = placements[key].tp
         values[id(tensor)] = rt.tp.gather(value, tp) if isinstance(tp, Shard) and rt.tp is not None else value
+        if isinstance(placements[key].ep, Shard) and rt.ep is not None:
+            values[id(tensor)] = rt.ep.gather(values[id(tensor)])
     owner = {}
     for key, placement in placements.items():
         first_pp = placement.pp.ranks[0] if isinstance(placement.pp, OnStages) else 0
@@ -110,6 +112,8 @@ def load_full_state(rt: RankRuntime, state_dict: dict[str, torch.Tensor]) -> Non
             tp = placements[key].tp
             if isinstance(tp, Shard) and rt.tp is not None:
                 value = tp.local(value, rt.tp.rank, rt.tp.degree)
+            if isinstance(placements[key].ep, Shard) and rt.ep is not None:
+                value = placements[key].ep.local(value, rt.ep.rank, rt.ep.degree)
             if id(tensor) in in_holder:
                 values[id(tensor)] = value
             else:

@@ -275,6 +275,8 @@ def rank_compiler(rt: RankRuntime) -> RankCompiler:
     buckets = None
     whole = plan.zero == 0 and plan.pp == 1 and plan.microbatches == 1 and plan.dp > 1
     if whole and request.rewrites_graphs and rt.dp_group is not None:
-        buckets = InGraphBuckets(rt.holder.layouts, plan.dp, rt.dp_group.group_name, plan.reduce_dtype)
+        # Expert groups reduce over the ranks holding the same experts, outside the graph.
+        dense = {g: layout for g, layout in rt.holder.layouts.items() if g not in rt.holder.comms}
+        buckets = InGraphBuckets(dense, plan.dp, rt.dp_group.group_name, plan.reduce_dtype)
         rt.holder.in_graph = buckets.reduced
     return RankCompiler(request, rt.comm, prefixes, buckets)

@@ -20,7 +20,7 @@ holds ZeRO-3. Groups launch strictly in one order, the same on every rank of the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,6 +97,8 @@ class Groups:
     layouts: dict[int, FlatLayout]
     order: list[int]
     owner: dict[int, int]
+    dp: int = 1  # the plan's: every gradient is divided by it (the mean over the global batch)
+    comms: dict[int, CommCounter] = field(default_factory=dict)  # groups reduced over other ranks (experts)
 
 
 class Holder:
@@ -109,12 +111,18 @@ class Holder:
     def __init__(self, groups: Groups, comm: CommCounter, reduce_dtype: torch.dtype | None = None) -> None:
         self.layouts, self.order, self.owner = groups.layouts, groups.order, groups.owner
         self.comm = comm
-        self.dp = next(iter(self.layouts.values())).dp if self.layouts else 1
+        self.comms = groups.comms
+        self.dp = groups.dp
         self.reduce_dtype = reduce_dtype  # the plan's: gradients are reduced in it (None: their own dtype)
 
     def wire(self, grads: torch.Tensor) -> torch.Tensor:
         """What goes on the wire for a flat gradient: itself, or a copy in the reduction dtype."""
         return grads if self.reduce_dtype in (None, grads.dtype) else grads.to(self.reduce_dtype)
+
+    def comm_of(self, g: int) -> CommCounter:
+        """What group ``g``'s gradients are reduced (and its shards gathered) over: the dp group's counter, or
+        for an expert group that of the dp / ep ranks holding the same experts."""
+        return self.comms.get(g, self.comm)
 
     def params(self) -> list[nn.Parameter]:
         return [p for g in self.order for p in self.layouts[g].params]
@@ -146,7 +154,7 @@ class Holder:
             layout = self.layouts[g]
             full = torch.empty(layout.padded, dtype=torch.float32, device=layout.device)
             # Offloaded masters live on the host: through the device, where the collective runs.
-            self.comm.all_gather(full, self.masters.tensors[g].detach().to(layout.device).reshape(-1))
+            self.comm_of(g).all_gather(full, self.masters.tensors[g].detach().to(layout.device).reshape(-1))
             out.update({id(p): v.clone() for p, v in zip(layout.params, layout.views(full))})
         return out
 
@@ -212,7 +220,10 @@ class ReplicatedHolder(Holder):
     def _launch(self, g: int) -> None:
         if self.dp > 1 and g not in self.in_graph:
             wire = self.wire(self.buffers[g]).div_(self.dp)
-            self.works[g] = (self.comm.all_reduce(wire, async_op=True), wire)
+            if self.layouts[g].dp > 1:  # an expert group held by one rank is only divided
+                self.works[g] = (self.comm_of(g).all_reduce(wire, async_op=True), wire)
+            elif wire is not self.buffers[g]:
+                self.buffers[g].copy_(wire)
 
     def end(self) -> None:
         self.launcher.flush()
@@ -320,13 +331,13 @@ class ShardedHolder(ShardedGrads):
     def _launch(self, g: int) -> None:
         layout, full = self.layouts[g], self.grad_flats[g]
         wire = self.wire(full)
-        if self.stage == 1 and wire is full and self.comm.reduces_in_place():
+        if self.stage == 1 and wire is full and self.comm_of(g).reduces_in_place():
             self.grad_shards[g] = layout.own(full)  # stage 1 keeps the buffer: its own chunk gets the result
         else:
             self.grad_shards[g] = wire.new_empty(layout.shard_numel)
         wire.div_(self.dp)
         # The full gradient buffer is not read again, so gloo may reduce in place (no temporaries).
-        self.works[g] = self.comm.reduce_scatter(self.grad_shards[g], wire, async_op=True, in_place=True)
+        self.works[g] = self.comm_of(g).reduce_scatter(self.grad_shards[g], wire, async_op=True, in_place=True)
 
     def end(self) -> None:
         self.launcher.flush()
@@ -346,7 +357,7 @@ class ShardedHolder(ShardedGrads):
     def after_step(self) -> None:
         self.masters.write_back()
         works = [
-            self.comm.all_gather(self.flats[g], self.layouts[g].own(self.flats[g]), async_op=True, in_place=True)
+            self.comm_of(g).all_gather(self.flats[g], self.layouts[g].own(self.flats[g]), async_op=True, in_place=True)
             for g in self.order
         ]
         for work in works:

@@ -1,8 +1,10 @@
 """One rank's runtime: the components its plan needs, set up in one fixed order, and one training step.
 
 Set-up, the same order on every rank (collectives inside must match):
-  1. process groups along dp, tp and pp, and one per set of pipeline ranks sharing tied weights;
-  2. tensor parallelism: the shared random state, every sharded tensor cut to this rank's slice;
+  1. process groups along dp, tp and pp, one per set of pipeline ranks sharing tied weights, and with
+     ep the expert-parallel groups and the groups of ranks holding the same experts;
+  2. tensor parallelism: the shared random state, every sharded tensor cut to this rank's slice (and
+     every expert weight to this rank's experts);
   3. pipeline: tensors no stage of this rank reads are released;
   4. every dp replica starts from the first dp rank's values (DDP's broadcast);
   5. the holder of the plan's ZeRO stage takes this rank's flat groups (runtime/holders.py, zero.py);
@@ -28,9 +30,10 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard.distributed.comm import CommCounter
-from autoshard.distributed.groups import make_group, shared_group
+from autoshard.distributed.groups import expert_groups, make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
+from autoshard.graph_ops.experts import ExpertParallel
 from autoshard.graph_ops.masks import SingleDeviceMasks
 from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RankRuntime"]
 
-TP_ATTR, PIPE_ATTR, ZERO3_ATTR = "tp", "pipe", "zero3"  # the graphs' get_attr names of the runtime modules
+TP_ATTR, PIPE_ATTR, ZERO3_ATTR, EP_ATTR = "tp", "pipe", "zero3", "ep"  # the graphs' get_attr names of runtime modules
 
 
 def state_tensors(compiled: Compiled) -> dict[str, torch.Tensor]:
@@ -101,6 +104,12 @@ class RankRuntime:
         comm.group = self.dp_group
         tp_group = make_group(mesh, self.rank, "tp", *groups) if distributed and plan.tp > 1 else None
         self.pp_group = make_group(mesh, self.rank, "pp", *groups) if distributed and plan.pp > 1 else None
+        self.ep: ExpertParallel | None = None
+        self.expert_comm: CommCounter | None = None  # over the ranks that hold the same experts
+        if distributed and plan.ep > 1:
+            ep_group, replicas = expert_groups(mesh, self.rank, plan.ep, timeout)
+            self.ep = ExpertParallel(ep_group, comm)
+            self.expert_comm = CommCounter(replicas, comm.calls, comm.volume_bytes, seconds=comm.seconds)
         self.p2p_group = self.world_group if plan.pp > 1 else None
         self.ties: dict[tuple[int, ...], Any] = {}
         tied_sets = sorted({p.pp.ranks for p in compiled.placements.values() if p.tied})
@@ -112,7 +121,11 @@ class RankRuntime:
                     if self.rank in ranks:
                         self.ties[pp_ranks] = group
         # 2. tensor parallelism
-        self.tp = self._setup_tensor_parallel(tp_group) if distributed and plan.tp > 1 else None
+        self.tp = (
+            TensorParallel.for_rank(mesh, self.rank, self.device, tp_group, comm)
+            if distributed and plan.tp > 1
+            else None
+        )
         masters = dict(compiled.master_values or {})
         for tensor in dict.fromkeys(self.tensors.values()):
             placement = self.placement_of[id(tensor)]
@@ -120,13 +133,24 @@ class RankRuntime:
                 tensor.data = placement.tp.local(tensor.data, self.tp.rank, self.tp.degree).clone()
                 if id(tensor) in masters:
                     masters[id(tensor)] = placement.tp.local(masters[id(tensor)], self.tp.rank, self.tp.degree)
+            if isinstance(placement.ep, Shard) and self.ep is not None:  # this rank's experts
+                tensor.data = placement.ep.local(tensor.data, self.ep.rank, self.ep.degree).clone()
+                if id(tensor) in masters:
+                    masters[id(tensor)] = placement.ep.local(masters[id(tensor)], self.ep.rank, self.ep.degree)
             # 3. pipeline: another stage's tensor
             if not placement.held_on(coords["pp"]):
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
                 masters.pop(id(tensor), None)
-        # 4. every dp replica starts alike
+        # 4. every dp replica starts alike (the ranks holding the same experts, for experts)
         if distributed and plan.dp > 1:
-            self._broadcast_from_first_dp_rank([*dict.fromkeys(self.tensors.values()), *masters.values()])
+            experts = {id(t) for t in self.tensors.values() if isinstance(self.placement_of[id(t)].ep, Shard)}
+            for expert in (False, True):
+                tensors = [t for t in dict.fromkeys(self.tensors.values()) if (id(t) in experts) == expert]
+                tensors += [m for key, m in masters.items() if (key in experts) == expert]
+                if not expert:
+                    self._broadcast(tensors, self.mesh.group("dp", self.rank)[0], self.dp_group)
+                elif self.expert_comm is not None and plan.dp > plan.ep:
+                    self._broadcast(tensors, mesh.expert_groups(self.rank, plan.ep)[1][0], self.expert_comm.group)
         # 5. the holder of this rank's flat groups; single-device dropout masks
         self.holder = self._make_holder(masters)
         compiled.master_values = None  # the holder keeps this rank's fp32 shards; the whole copies can go
@@ -160,23 +184,8 @@ class RankRuntime:
             gm.add_submodule(PIPE_ATTR, self.channel)
         if self.masks is not None:
             gm.add_submodule(MASKS_ATTR, self.masks)
-
-    def _setup_tensor_parallel(self, group: dist.ProcessGroup | None) -> TensorParallel:
-        # Replicated activations must see the same dropout masks on every tp rank: share tp rank 0's
-        # random state (and seed, from which each rank's own stream for sharded activations derives).
-        first = self.mesh.group("tp", self.rank)[0]
-        wire = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
-
-        def shared(tensor: torch.Tensor) -> torch.Tensor:
-            on_wire = tensor.to(wire)
-            dist.broadcast(on_wire, src=first, group=group)
-            return on_wire.cpu()
-
-        torch.set_rng_state(shared(torch.get_rng_state()))
-        if self.device.type == "cuda":  # dropout on the GPU draws from its generator, whatever the backend
-            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state(self.device)), self.device)
-        seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
-        return TensorParallel(group, self.comm, int(seed))
+        if self.ep is not None:
+            gm.add_submodule(EP_ATTR, self.ep)
 
     def _make_masks(self) -> SingleDeviceMasks:
         # Every rank follows rank 0's generator state at compile: what one device would draw from.
@@ -185,17 +194,16 @@ class RankRuntime:
             dist.broadcast(state, src=0, group=self.world_group)
         return SingleDeviceMasks(self.compiled.masks, state.cpu(), self.coords, self.mesh)
 
-    def _broadcast_from_first_dp_rank(self, tensors: list[torch.Tensor]) -> None:
-        src = self.mesh.group("dp", self.rank)[0]
+    def _broadcast(self, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in dict.fromkeys(tensors):
             if tensor.numel():
                 by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.reshape(-1).to(self.device) for t in group])
-                dist.broadcast(flat, src=src, group=self.dp_group)
-                for t, value in zip(group, flat.split([t.numel() for t in group])):
+            for same_dtype in by_dtype.values():
+                flat = torch.cat([t.reshape(-1).to(self.device) for t in same_dtype])
+                dist.broadcast(flat, src=src, group=group)
+                for t, value in zip(same_dtype, flat.split([t.numel() for t in same_dtype])):
                     t.copy_(value.view_as(t))
 
     def _slots(self) -> list[tuple[nn.Parameter, int, int, int]]:
@@ -215,6 +223,12 @@ class RankRuntime:
     def _make_holder(self, masters: dict[int, torch.Tensor]) -> Holder:
         plan = self.plan
         layouts = layouts_from_slots(self._slots(), plan.dp, self.coords["dp"])
+        comms = {}
+        for g, layout in layouts.items():
+            if isinstance(self.placement_of[id(layout.params[0])].ep, Shard) and self.expert_comm is not None:
+                # An expert group is data parallel over the dp / ep ranks holding its experts.
+                layout.dp, layout.dp_rank = plan.dp // plan.ep, self.coords["dp"] // plan.ep
+                comms[g] = self.expert_comm
         # Each group completes with the last backward, on this rank, of a stage that reads it: that
         # stage arms it, and groups launch in the order their stages finish (then by group id).
         finish = self.schedule.stages_by_last_backward(self.coords["pp"]) if self.schedule else [0]
@@ -225,7 +239,7 @@ class RankRuntime:
         order = sorted(layouts, key=lambda g: (finish.index(owner[g]), g))
         initial = {g: lay.own(lay.flatten(torch.float32, masters)).clone() for g, lay in layouts.items()}
         initial = initial if masters else None
-        groups = Groups(layouts, order, owner)
+        groups = Groups(layouts, order, owner, plan.dp, comms)
         if plan.zero == 3:
             return Zero3Holder(groups, self.comm, plan.offload, initial, plan.reduce_dtype)
         if plan.zero in (1, 2):
@@ -354,7 +368,7 @@ class RankRuntime:
             self.masks.microbatch = index
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
-        return self.placement_of[id(param)].counts_in_norm(self.coords, self.holder.dp_sharded)
+        return self.placement_of[id(param)].counts_in_norm(self.coords, self.holder.dp_sharded, self.plan.ep)
 
     def _sum_all(self, tensor: torch.Tensor) -> None:
         if dist.is_initialized():

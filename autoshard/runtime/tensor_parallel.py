@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ from autoshard.distributed import funcol
 from autoshard.distributed.comm import CommCounter
 from autoshard.graph_ops.tp import UnboundTensorParallel, check_divisible
 from autoshard.ir.placements import Shard
+
+if TYPE_CHECKING:
+    from autoshard.spec.mesh import Mesh
 
 __all__ = ["TensorParallel"]
 
@@ -38,6 +42,27 @@ class TensorParallel(UnboundTensorParallel):
         funcol.register_counter(self._group_name, comm)
         self.seed = seed + 2718 + self.rank  # Megatron's offset for the model-parallel stream
         self._streams: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_rank(
+        cls, mesh: Mesh, rank: int, device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter
+    ) -> TensorParallel:
+        """``rank``'s tensor-parallel module. Replicated activations must see the same dropout masks on every
+        tp rank: tp rank 0's random state (and seed, from which each rank's own stream for sharded activations
+        derives) is shared over the group first."""
+        first = mesh.group("tp", rank)[0]
+        wire = device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
+
+        def shared(tensor: torch.Tensor) -> torch.Tensor:
+            on_wire = tensor.to(wire)
+            dist.broadcast(on_wire, src=first, group=group)
+            return on_wire.cpu()
+
+        torch.set_rng_state(shared(torch.get_rng_state()))
+        if device.type == "cuda":  # dropout on the GPU draws from its generator, whatever the backend
+            torch.cuda.set_rng_state(shared(torch.cuda.get_rng_state(device)), device)
+        seed = shared(torch.tensor([torch.initial_seed() % 2**62]))
+        return cls(group, comm, int(seed))
 
     @contextlib.contextmanager
     def rank_stream(self, device: torch.device) -> Iterator[None]:

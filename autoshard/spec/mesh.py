@@ -85,6 +85,18 @@ class Mesh:
             seen.setdefault(tuple(group), group)
         return list(seen.values())
 
+    def expert_groups(self, rank: int, ep: int) -> tuple[list[int], list[int]]:
+        """``rank``'s expert-parallel group (the ep consecutive dp ranks that split the experts among them)
+        and its expert-data-parallel group (the dp / ep ranks holding the same experts), as Megatron-core
+        and torchtitan carve them out of dp."""
+        if ep < 1 or self.dp % ep:
+            raise MeshError(f"ep={ep} does not divide dp={self.dp}: expert-parallel groups are carved out of dp")
+        here = self.coords(rank)
+        first = here["dp"] - here["dp"] % ep
+        ep_group = [self.rank_of(**{**here, "dp": first + i}) for i in range(ep)]
+        replicas = [self.rank_of(**{**here, "dp": here["dp"] % ep + j * ep}) for j in range(self.dp // ep)]
+        return ep_group, replicas
+
     def table(self) -> str:
         """A rank-by-rank table of coordinates, for people."""
         lines = ["rank  pp  dp  tp"]

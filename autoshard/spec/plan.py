@@ -65,6 +65,10 @@ class Plan:
     """Degrees and options of one distributed training program.
 
     dp, tp, pp        data, tensor and pipeline parallel degrees; their product is the world size
+    ep                expert parallel degree, carved out of dp (it divides dp): each group of ep consecutive dp
+                      ranks holds E / ep of a mixture of experts' E experts and sends each token to the rank
+                      of its expert with an all-to-all; dense layers stay data parallel over all dp ranks,
+                      each expert over the dp / ep ranks that hold it (graph_ops/experts.py)
     zero              ZeRO stage over the dp group (0: plain data parallel)
     offload           keep optimizer state and its update on the CPU
     schedule          pipeline schedule (used when pp > 1): one of SCHEDULES, or a Schedule of your own
@@ -97,6 +101,7 @@ class Plan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     zero: int = 0
     offload: bool = False
     schedule: str | Schedule = "1f1b"
@@ -124,8 +129,13 @@ class Plan:
             raise PlanError(
                 f"plan field schedule={self.schedule!r} must be one of {SCHEDULES} or an autoshard.Schedule"
             )
-        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
+        if self.dp % self.ep:
+            raise PlanError(
+                f"ep={self.ep} carves expert-parallel groups out of the data-parallel ranks, so it must divide "
+                f"dp={self.dp}; choose ep among {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}"
+            )
         if self.schedule_name == "zbv":  # two stages a rank, placed as a V: the schedule's own shape
             if self.virtual_stages not in (1, 2):
                 raise PlanError(f"schedule='zbv' runs two stages on each rank; virtual_stages={self.virtual_stages}")
@@ -224,6 +234,8 @@ class Plan:
         context: dict[str, Any] = {}
         if "zero" not in fixed and (is_mixed_precision(fixed.get("param_dtype")) or fixed.get("offload") is True):
             context["zero"] = 1
+        if "dp" not in fixed and isinstance(fixed.get("ep"), int) and fixed["ep"] > 1:
+            context["dp"] = fixed["ep"]
         if "tp" not in fixed and fixed.get("sequence_parallel") is True:
             context["tp"] = 2
         if "schedule" not in fixed and isinstance(fixed.get("virtual_stages"), int) and fixed["virtual_stages"] > 1:
@@ -233,6 +245,8 @@ class Plan:
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.ep > 1:
+            parts.insert(1, f"ep={self.ep}")
         if self.offload:
             parts.append("offload")
         if self.pp > 1:

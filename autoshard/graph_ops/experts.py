@@ -1,0 +1,154 @@
+"""Expert parallelism at run time: tokens sent to the rank of their expert and back, in forward and backward.
+
+The expert-parallel rewrite (passes/expert_parallel.py) puts two calls round each mixture-of-experts
+layer's expert computation, whose rows arrive sorted by expert (``offs``: where each expert's rows end):
+
+    dispatch(ep, rows, offs) -> (local rows, local offs, routing)
+        the per-expert row counts go to the rank holding each expert (an all-to-all of E integers, and
+        one host sync: the split sizes of the next all-to-all are host integers); then every row goes to
+        its expert's rank (all-to-all), where the rows are reordered expert-major (rank r holds experts
+        r * E/ep .. (r+1) * E/ep - 1), so the local grouped matmuls see their experts' rows contiguous;
+    combine(ep, local rows, routing) -> rows
+        the converse: rows back to the ranks that sent them, in the order they were sent.
+
+Each one's backward is the other's forward: one all-to-all each way (Megatron-core's all-to-all token
+dispatcher, torchtitan's ``ExpertParallel``). ``routing`` is a small CPU tensor: [0] the rows this rank
+sends to each ep rank's each local expert, [1] the rows it receives from each ep rank for each of its own.
+A plain ``dist.all_to_all_single`` would not carry gradients back; the autograd functions below do.
+Both ops stay eager under torch.compile (their split sizes are data, different each step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard.distributed.comm import CommCounter
+from autoshard.errors import DistributedError
+from autoshard.graph_ops.graph_break import stays_eager
+
+__all__ = ["ExpertParallel", "UnboundExpertParallel", "combine", "dispatch"]
+
+
+class UnboundExpertParallel(nn.Module):
+    """The ``ep`` of a graph built for inspection: its degree; running it needs a Program under a process group."""
+
+    rank = 0
+
+    def __init__(self, degree: int) -> None:
+        super().__init__()
+        self.degree = degree
+
+    def route(self, counts: torch.Tensor) -> torch.Tensor:
+        raise DistributedError(
+            "this expert-parallel graph was built for inspection; run it through a Program compiled under a "
+            "process group"
+        )
+
+    def exchange(self, rows: torch.Tensor, send: list[int], receive: list[int], op: str) -> torch.Tensor:
+        return self.route(rows)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every ep rank's experts of one weight, joined along dim 0 (a collective)."""
+        return self.route(local)
+
+
+class ExpertParallel(UnboundExpertParallel):
+    """This rank's expert-parallel group: its rank in it, the degree, and counted all-to-alls."""
+
+    def __init__(self, group: dist.ProcessGroup, comm: CommCounter) -> None:
+        super().__init__(dist.get_world_size(group))
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.comm = comm
+        # NCCL moves device tensors; gloo's all-to-all takes CPU ones.
+        self.on_host = dist.get_backend(group) != "nccl"
+
+    def route(self, counts: torch.Tensor) -> torch.Tensor:
+        """The routing of one layer's rows from the rows each of the E experts gets here (see the module doc)."""
+        send = counts.to(torch.int64).reshape(self.degree, -1).contiguous()
+        wire = send.cpu() if self.on_host else send
+        receive = torch.empty_like(wire)
+        self.comm.count("ep_counts", wire.numel() * wire.element_size())
+        with self.comm.timing("ep_counts"):
+            dist.all_to_all_single(receive, wire, group=self.group)
+        return torch.stack([wire, receive]).cpu()  # the one host sync of a layer's forward
+
+    def exchange(self, rows: torch.Tensor, send: list[int], receive: list[int], op: str) -> torch.Tensor:
+        """Rows ``send[i]`` to ep rank i, ``receive[i]`` from it (an all-to-all), counted under ``op``."""
+        wire = rows.contiguous().cpu() if self.on_host else rows.contiguous()
+        out = wire.new_empty((sum(receive), *rows.shape[1:]))
+        self.comm.count(op, wire.numel() * wire.element_size())
+        with self.comm.timing(op):
+            dist.all_to_all_single(out, wire, receive, send, group=self.group)
+        return out.to(rows.device)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        wire = local.detach().contiguous()
+        wire = wire.cpu() if self.on_host else wire
+        parts = [torch.empty_like(wire) for _ in range(self.degree)]
+        self.comm.count("all_gather", wire.numel() * wire.element_size() * self.degree)
+        dist.all_gather(parts, wire, group=self.group)
+        return torch.cat(parts).to(local.device)
+
+
+def _regroup(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows in blocks counts[i, j] (i-major) reordered j-major; counts (I, J) on the host."""
+    blocks = rows.split(counts.reshape(-1).tolist())
+    width = counts.shape[1]
+    return torch.cat([blocks[i * width + j] for j in range(width) for i in range(counts.shape[0])])
+
+
+def _to_experts(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.Tensor, op: str) -> torch.Tensor:
+    send, receive = routing[0], routing[1]
+    arrived = ep.exchange(rows, send.sum(1).tolist(), receive.sum(1).tolist(), op)
+    return _regroup(arrived, receive)  # [source rank][expert] -> [expert][source rank]
+
+
+def _from_experts(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.Tensor, op: str) -> torch.Tensor:
+    send, receive = routing[0], routing[1]
+    by_source = _regroup(rows, receive.t().contiguous())  # [expert][source rank] -> [source rank][expert]
+    return ep.exchange(by_source, receive.sum(1).tolist(), send.sum(1).tolist(), op)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, ep: UnboundExpertParallel, routing: torch.Tensor) -> torch.Tensor:
+        ctx.ep, ctx.routing = ep, routing
+        return _to_experts(ep, rows, routing, "ep_dispatch")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _from_experts(ctx.ep, grad, ctx.routing, "ep_dispatch_grad"), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, ep: UnboundExpertParallel, routing: torch.Tensor) -> torch.Tensor:
+        ctx.ep, ctx.routing = ep, routing
+        return _from_experts(ep, rows, routing, "ep_combine")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _to_experts(ctx.ep, grad, ctx.routing, "ep_combine_grad"), None, None
+
+
+@stays_eager
+def dispatch(
+    ep: UnboundExpertParallel, rows: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's experts' rows from every ep rank, expert-major; their ``offs``; and the routing."""
+    ends = offs.to(torch.int64)
+    counts = torch.cat([ends[:1], ends[1:] - ends[:-1]])
+    routing = ep.route(counts)
+    local_offs = routing[1].sum(0).cumsum(0).to(device=offs.device, dtype=offs.dtype)
+    return _Dispatch.apply(rows, ep, routing), local_offs, routing
+
+
+@stays_eager
+def combine(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+    """The local experts' output rows back where ``dispatch`` took them from, in their order."""
+    return _Combine.apply(rows, ep, routing)
