@@ -17,6 +17,7 @@ import torch
 from allocations import allocation_trace
 from autoshard.passes import tp_rewrite
 from checkpoint import bench_checkpoint
+from experts import bench_experts
 from recompute import bench_recompute
 
 import autoshard
@@ -922,6 +923,7 @@ BENCHMARKS = {
     "fsdp-tp": bench_fsdp_tp,
     "recompute": lambda: bench_recompute(report),
     "checkpoint": lambda: bench_checkpoint(report),
+    "experts": lambda: bench_experts(report),
 }
 
 

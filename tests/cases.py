@@ -78,11 +78,15 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    layers = shape.get("layers", 2)
+    if family in ("moe", "moe_mixing_rows"):  # hand-written experts over torch._grouped_mm
+        from expert_cases import GroupedMoELM
+
+        return GroupedMoELM(VOCAB, layers, mix_rows=family == "moe_mixing_rows")
     if family.startswith("hf:"):  # any family of tests/hf_families.py, e.g. "hf:qwen2:causal"
         import hf_families
 
         return hf_families.build(hf_families.by_name(family.removeprefix("hf:")), seed)[2]
-    layers = shape.get("layers", 2)
     if family == "gpt2":
         cfg = transformers.GPT2Config(
             n_layer=layers, n_embd=shape.get("width", 32), n_head=shape.get("heads", 4),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from cases import build_case, compile_case, train_local_batches
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutput
 
 import autoshard
 
@@ -19,3 +23,54 @@ def exchanges_per_step(rank: int, world_size: int, family: str, mesh: dict[str, 
     train_local_batches(program, case, [], None)
     experts = {k: tuple(t.shape) for k, t in program.state_dict().items() if "experts" in k}
     return {"calls": {op: program.comm.calls[op] for op in EP_OPS}, "experts": experts}
+
+
+class GroupedMoE(nn.Module):
+    """A mixture of experts as hand-written models do it with ``torch._grouped_mm``: top-k routing, the
+    (token, expert) pairs sorted by expert, two grouped matmuls, the weighted sum back per token.
+    ``mix_rows``: the activation is centred over all rows between the matmuls (not per row: ep must refuse)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, mix_rows: bool = False) -> None:
+        super().__init__()
+        self.experts, self.top_k, self.mix_rows = experts, top_k, mix_rows
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, inter, hidden) / inter**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat).softmax(-1).topk(self.top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids = ids.reshape(-1)
+        order = ids.argsort(stable=True)
+        rows = flat[order // self.top_k]
+        offs = ids.float().histc(self.experts, 0, self.experts - 1).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, self.w_in, offs).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        if self.mix_rows:
+            hidden = hidden - hidden.mean(0, keepdim=True)
+        out = torch._grouped_mm(hidden, self.w_out, offs) * weights.reshape(-1)[order].unsqueeze(-1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return out[back].view(-1, self.top_k, x.shape[-1]).sum(1).view_as(x)
+
+
+class GroupedMoELM(nn.Module):
+    """A small language model whose blocks are a norm and a GroupedMoE with a residual."""
+
+    def __init__(self, vocab: int, layers: int = 2, hidden: int = 32, mix_rows: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.moes = nn.ModuleList(GroupedMoE(hidden, 2 * hidden, 4, 2, mix_rows) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        h = self.embed(ids)
+        for norm, moe in zip(self.norms, self.moes):
+            h = h + moe(norm(h))
+        logits = self.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return CausalLMOutput(loss=loss, logits=logits)

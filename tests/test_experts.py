@@ -5,9 +5,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-from cases import train_plan, train_single_device
+import torch
+from cases import build_case, compile_case, train_plan, train_single_device, train_single_device_mixed
+from checkpoint_cases import load_and_train, train_and_save
 from expert_cases import EP_OPS, exchanges_per_step
 from test_tp import assert_state_close
+
+import autoshard
+from autoshard.errors import PlanError
 
 MOE = ("hf:mixtral:causal", "hf:qwen2_moe:causal", "hf:olmoe:causal")
 
@@ -60,3 +65,48 @@ def test_all_to_alls_per_layer(ranks) -> None:
     for result in results:
         assert result["calls"] == {op: layers for op in EP_OPS}
         assert result["experts"] and all(shape[0] == 4 // 2 for shape in result["experts"].values())
+
+
+def test_checkpoint_reshards_experts(ranks, tmp_path) -> None:
+    """Saved at ep=2 under ZeRO-1, loaded at ep=4 and at ep=1: training goes on as on one device."""
+    family, path = "hf:mixtral:causal", str(tmp_path / "ck")
+    ranks(4).run(train_and_save, family, {"dp": 4}, {"ep": 2, "zero": 1}, 3, 1, path)
+    ref_losses, ref_state = reference(family)
+    for plan in ({"ep": 4}, {"ep": 1, "zero": 2}):
+        resumed = ranks(4).run(load_and_train, family, {"dp": 4}, plan, 3, path)
+        assert resumed[0]["losses"] == pytest.approx(ref_losses[1:], rel=1e-5), plan
+        assert_state_close(resumed[0]["state"], ref_state)
+
+
+def test_hand_written_grouped_mm_moe(ranks) -> None:
+    """A model's own torch._grouped_mm experts (bf16: the op's only dtype on the CPU), fp32 masters: the losses
+    those of one device to bf16's precision, and the state that of plain data parallelism (the same bf16
+    rounding of gradients per rank) to one bf16 unit."""
+    plan = {"zero": 1, "param_dtype": torch.bfloat16}
+    split = ranks(4).run(train_plan, "moe", {"dp": 4}, {**plan, "ep": 2})
+    replicated = ranks(4).run(train_plan, "moe", {"dp": 4}, plan)
+    ref_losses, _ = train_single_device_mixed("moe", torch.bfloat16)
+    assert split[0]["losses"] == pytest.approx(ref_losses, rel=1e-2)
+    assert split[0]["losses"] == pytest.approx(replicated[0]["losses"], rel=1e-3)
+    for key, expected in replicated[0]["state"].items():
+        torch.testing.assert_close(split[0]["state"][key], expected, rtol=1.6e-2, atol=1e-3, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh", "plan", "words"),
+    [
+        ("gpt2", {"dp": 4}, {"ep": 2}, "has none that autoshard recognises"),
+        ("hf:mixtral:causal", {"dp": 8}, {"ep": 8}, "does not divide the 4 experts"),
+        ("hf:mixtral:causal", {"dp": 2, "tp": 2}, {"ep": 2}, "is not built yet"),
+        ("hf:mixtral:causal", {"dp": 4}, {"ep": 2, "zero": 3}, "is not built yet"),
+        ("hf:mixtral:causal", {"dp": 6}, {"ep": 4}, "must divide dp=6"),
+        ("moe_mixing_rows", {"dp": 4}, {"ep": 2, "zero": 1, "param_dtype": torch.bfloat16}, "not computed row by row"),
+    ],
+    ids=["dense", "experts", "tp", "zero3", "dp", "mixing"],
+)
+def test_ep_refusals(family, mesh, plan, words) -> None:
+    """What ep cannot split is refused at compile, before any rank works, with the reason."""
+    case = build_case(family, batch=mesh.get("dp", 1) * 2)
+    with pytest.raises(PlanError) as error:
+        compile_case(case, autoshard.Mesh(**mesh), plan=plan)
+    assert words in str(error.value)

@@ -1,5 +1,5 @@
 """What one rank holds, as regions of the full tensors a checkpoint stores by the original model's keys:
-the model's state (whole, a tp slice, or this rank's part of a flat ZeRO shard), fp32 masters kept apart,
+the model's state (whole, a tp slice, this rank's experts, or its part of a flat ZeRO shard), fp32 masters kept apart,
 and the optimizer's state per master; in the form torch.distributed.checkpoint writes and reads."""
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ class Region:
 
 
 def _tp_slice(rt: RankRuntime, key: str) -> TpSlice | None:
-    tp = rt.compiled.placements[key].tp
+    """The slice of the full tensor this rank holds: its tp slice, or its ep rank's experts (ep works with tp=1)."""
+    placement = rt.compiled.placements[key]
+    if isinstance(placement.ep, Shard) and rt.ep is not None:
+        return TpSlice(placement.ep, rt.ep.rank, rt.ep.degree)
+    tp = placement.tp
     return TpSlice(tp, rt.tp.rank, rt.tp.degree) if isinstance(tp, Shard) and rt.tp is not None else None
 
 
