@@ -194,7 +194,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, int], steps: int, rounds: i
     return {"timings": timings, "memory": memory, "losses": losses}
 
 
-def bench_experts(report: Callable[..., None], ranks: int = 4, steps: int = 3, rounds: int = 4) -> None:
+def bench_experts(report: Callable[..., None], ranks: int = 4, steps: int = 3, rounds: int = 8) -> None:
     cfg = MOE
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank, cfg, steps, rounds)

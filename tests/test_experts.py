@@ -8,6 +8,7 @@ import pytest
 import torch
 from cases import build_case, compile_case, train_plan, train_single_device, train_single_device_mixed
 from checkpoint_cases import load_and_train, train_and_save
+from compiled_cases import train_compiled
 from expert_cases import EP_OPS, exchanges_per_step
 from test_tp import assert_state_close
 
@@ -110,3 +111,14 @@ def test_ep_refusals(family, mesh, plan, words) -> None:
     with pytest.raises(PlanError) as error:
         compile_case(case, autoshard.Mesh(**mesh), plan=plan)
     assert words in str(error.value)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_ep_under_torch_compile(ranks, backend) -> None:
+    """The dispatch and combine stay eager (their split sizes change every step); the rest is compiled."""
+    family = "hf:mixtral:causal"
+    results = ranks(4).run(train_compiled, family, {"dp": 4}, {"ep": 2}, backend)
+    ref_losses, ref_state = reference(family)
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert_state_close(results[0]["state"], ref_state)
+    assert results[0]["calls"][0]["ep_dispatch"] == 2  # the last step: one a layer
