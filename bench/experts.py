@@ -177,6 +177,9 @@ def _rank(rank: int, world_size: int, cfg: dict[str, int], steps: int, rounds: i
     for name, seen in losses.items():
         if any(abs(a - b) > 1e-4 * abs(b) for a, b in zip(seen, first)):
             raise AssertionError(f"losses differ: autoshard ep4 {first}, {name} {seen}")
+    for fn in systems.values():  # warm on every batch of the rounds (each routes its own row counts)
+        for ids in data:
+            fn(ids)
     timings: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for round_ in range(rounds):  # alternating, each round starting at another system, so drift hits all alike

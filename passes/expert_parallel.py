@@ -228,7 +228,10 @@ def run(gm: fx.GraphModule, ep: int) -> PassResult:
     gm.graph.lint()
     gm.recompile()
     weights = sum(len(layer.weights) for layer in layers)
-    return PassResult("expert_parallel", True, f"{len(layers)} expert layers over ep={ep}, {weights} weights split")
+    split = frozenset(w.target for layer in layers for w in layer.weights)
+    return PassResult(
+        "expert_parallel", True, f"{len(layers)} expert layers over ep={ep}, {weights} weights split", split
+    )
 
 
 PASS = Pass(

@@ -61,6 +61,7 @@ class Build:
     stages: list[StageGraph] = field(default_factory=list)
     saved: list[tuple[str, ActivationMemory]] = field(default_factory=list)
     schedule: Schedule | None = None  # the pipeline's (None without one)
+    experts: frozenset[str] = frozenset()  # get_attr targets of the expert weights that ep splits
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
@@ -69,10 +70,14 @@ class Build:
 
 def _expert_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
     plan = b.plan
-    if plan.tp > 1 or plan.zero == 3:
-        missing = f"tp={plan.tp} (experts sharded by tensor parallelism)" if plan.tp > 1 else "zero=3"
-        raise PlanError(f"ep={plan.ep} with {missing} is not built yet; use ep with tp=1 and zero 0, 1 or 2, or ep=1")
-    return run_pass(passes.expert_parallel.PASS, gm, plan.ep)
+    if plan.tp > 1:
+        raise PlanError(
+            f"ep={plan.ep} with tp={plan.tp} (experts sharded by tensor parallelism) is not built yet; use ep with "
+            f"tp=1, or ep=1"
+        )
+    result = run_pass(passes.expert_parallel.PASS, gm, plan.ep)
+    b.experts = result.value
+    return result
 
 
 def _tp_placement(b: Build, gm: fx.GraphModule) -> PassResult:

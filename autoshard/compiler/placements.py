@@ -50,12 +50,12 @@ def param_placements(
     stages_of: dict[int, frozenset[int]],
     schedule: Schedule | None,
     tp_report: TpReport | None,
+    expert_weights: frozenset[str] = frozenset(),
 ) -> dict[str, ParamPlacement]:
     """Every state tensor's placement per mesh dimension."""
     tp_of = {id(compiled_gm.get_parameter(t)): p for t, p in (tp_report.weights if tp_report else {}).items()}
     partial = {id(compiled_gm.get_parameter(t)) for t in (tp_report.partial_grad_params if tp_report else ())}
-    graph = compiled_gm.graph
-    experts = {id(compiled_gm.get_parameter(n.target)) for n in graph.nodes if n.op == "get_attr" and get_expert(n)}
+    experts = {id(compiled_gm.get_parameter(t)) for t in expert_weights}
     out = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad

@@ -31,13 +31,17 @@ class Zero3Runtime(nn.Module):
     """ZeRO-3 state of one rank, shared by all its stage graphs: shards at rest, gathered buffers, gradients."""
 
     def __init__(
-        self, layouts: dict[int, FlatLayout], comm: CommCounter, reduce_dtype: torch.dtype | None = None
-    ) -> None:
+        self, layouts: dict[int, FlatLayout], comm: CommCounter, reduce_dtype: torch.dtype | None = None,
+        comms: dict[int, CommCounter] | None = None, dp: int | None = None,
+    ) -> None:  # fmt: skip
+        """``comms``: the groups sharded over other ranks than ``comm``'s (experts: the ranks holding them);
+        ``dp``: what every gradient is divided by (the plan's dp; default: the layouts' shard count)."""
         super().__init__()
         self.layouts = layouts
         self.comm = comm
+        self.comms = comms or {}
         self.reduce_dtype = reduce_dtype  # gradients are reduce-scattered in it (None: their own dtype)
-        self.dp = next(iter(layouts.values())).dp if layouts else 1
+        self.dp = dp or (next(iter(layouts.values())).dp if layouts else 1)
         forward = sorted(layouts)  # group ids follow first use in forward
         self.next_of = dict(zip(forward, forward[1:]))
         self.prev_of = dict(zip(forward[1:], forward))
@@ -65,6 +69,9 @@ class Zero3Runtime(nn.Module):
         # in-place path (no full-size temporaries) completes when called, so neither would overlap.
         self.overlap = not comm.reduces_in_place()
 
+    def comm_of(self, group: int) -> CommCounter:
+        return self.comms.get(group, self.comm)
+
     def groups_viewed_by(self, values: tuple[object, ...]) -> list[int]:
         """The groups whose gathered buffer one of ``values`` views (a buffer keeps its storage when freed)."""
         storages = {self.fulls[g].untyped_storage()._cdata: g for g in self.fulls}
@@ -82,7 +89,7 @@ class Zero3Runtime(nn.Module):
         self._versions[group] = full._version
         own = self.layouts[group].own(full)
         own.copy_(self.shards[group].detach())
-        self._pending[group] = self.comm.all_gather(full, own, async_op=True, in_place=True)
+        self._pending[group] = self.comm_of(group).all_gather(full, own, async_op=True, in_place=True)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _wait(self, group: int) -> None:
@@ -125,7 +132,7 @@ class Zero3Runtime(nn.Module):
             # At most two reductions in flight: waiting for the older one frees its full-size input
             # while backward goes on (FSDP's bound on unsharded gradients).
             self._retire(keep=1)
-            work = self.comm.reduce_scatter(out, flat, async_op=True, in_place=True)
+            work = self.comm_of(group).reduce_scatter(out, flat, async_op=True, in_place=True)
             self.reductions.append((group, work, out, flat))
             if not self.overlap:
                 self._retire(keep=0)
@@ -154,7 +161,7 @@ class Zero3Runtime(nn.Module):
         for g in sorted(self.layouts):
             layout = self.layouts[g]
             full = self.fulls[g].new_empty(layout.padded)
-            self.comm.all_gather(full, self.shards[g].detach())
+            self.comm_of(g).all_gather(full, self.shards[g].detach())
             out[g] = [v.clone() for v in layout.views(full)]
         return out
 
@@ -173,7 +180,7 @@ class Zero3Holder(ShardedGrads):
         reduce_dtype: torch.dtype | None = None,
     ):
         super().__init__(groups, comm, reduce_dtype)
-        self.runtime = Zero3Runtime(self.layouts, comm, reduce_dtype)
+        self.runtime = Zero3Runtime(self.layouts, comm, reduce_dtype, self.comms, self.dp)
         self.masters = Masters({g: s.data for g, s in self.runtime.shards.items()}, offload, initial)
 
     def params(self) -> list[nn.Parameter]:
