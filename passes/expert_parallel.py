@@ -181,7 +181,7 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
     local_offs = TensorShape((sympy.Integer(layer.experts // ep),), offs.dtype, False)
     routing = TensorShape((sympy.Integer(2), sympy.Integer(ep), sympy.Integer(layer.experts // ep)), torch.int64, False)
     with graph.inserting_after(after):
-        dispatch = graph.call_function(ep_ops.dispatch, (runtime, layer.rows, layer.offs))
+        dispatch = graph.call_function(ep_ops.dispatch, (runtime, layer.rows, layer.offs, layer.name))
     with graph.inserting_after(dispatch):
         parts = [graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
     name = str(layer.region[0].meta.get(LAYER, "(top)"))

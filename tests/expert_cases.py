@@ -74,3 +74,11 @@ class GroupedMoELM(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+def explained_load(rank: int, world_size: int, family: str, mesh: dict[str, int], plan: dict[str, Any]) -> dict:
+    """explain() after a step, the step's metrics line and expert load, and the report's Experts section."""
+    case = build_case(family, steps=1)
+    program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
+    train_local_batches(program, case, [], None)
+    return {"explain": program.explain(), "load": program.metrics.expert_load, "line": program.metrics.line()}

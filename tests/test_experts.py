@@ -9,7 +9,7 @@ import torch
 from cases import build_case, compile_case, train_plan, train_single_device, train_single_device_mixed
 from checkpoint_cases import load_and_train, train_and_save
 from compiled_cases import train_compiled
-from expert_cases import EP_OPS, exchanges_per_step
+from expert_cases import EP_OPS, exchanges_per_step, explained_load
 from test_tp import assert_state_close
 
 import autoshard
@@ -123,3 +123,14 @@ def test_ep_under_torch_compile(ranks, backend) -> None:
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-4)
     assert_state_close(results[0]["state"], ref_state)
     assert results[0]["calls"][0]["ep_dispatch"] == 2  # the last step: one a layer
+
+
+def test_explain_and_metrics_show_the_experts(ranks) -> None:
+    results = ranks(4).run(explained_load, "hf:mixtral:causal", {"dp": 4}, {"ep": 2})
+    for result in results:
+        assert len(result["load"]) == 2 and all(1.0 <= v <= 4 / 2 for v in result["load"].values())
+        assert "expert load max/mean" in result["line"]
+    text = results[0]["explain"]
+    assert "expert parallel (ep=2 out of dp=4)" in text and text.count("4 experts, 2 a rank") == 2
+    # The two ranks of one ep group route the same rows, so they measure the same load.
+    assert results[0]["load"] == results[1]["load"]

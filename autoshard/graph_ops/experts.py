@@ -3,9 +3,10 @@
 The expert-parallel rewrite (passes/expert_parallel.py) puts two calls round each mixture-of-experts
 layer's expert computation, whose rows arrive sorted by expert (``offs``: where each expert's rows end):
 
-    dispatch(ep, rows, offs) -> (local rows, local offs, routing)
-        the per-expert row counts go to the rank holding each expert (an all-to-all of E integers, and
-        one host sync: the split sizes of the next all-to-all are host integers); then every row goes to
+    dispatch(ep, rows, offs, layer) -> (local rows, local offs, routing)
+        every ep rank's row counts per expert are gathered (E integers a rank, and one host sync: the
+        split sizes of the next all-to-all are host integers; the gathered counts are also the layer's
+        expert load, ``ExpertParallel.take_loads``); then every row goes to
         its expert's rank (all-to-all), where the rows are reordered expert-major (rank r holds experts
         r * E/ep .. (r+1) * E/ep - 1), so the local grouped matmuls see their experts' rows contiguous;
     combine(ep, local rows, routing) -> rows
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.distributed.comm import CommCounter
+from autoshard.distributed.comm import CommCounter, all_gather_tensor
 from autoshard.errors import DistributedError
 from autoshard.graph_ops.graph_break import stays_eager
 
@@ -41,8 +42,14 @@ class UnboundExpertParallel(nn.Module):
     def __init__(self, degree: int) -> None:
         super().__init__()
         self.degree = degree
+        self.loads: dict[str, torch.Tensor] = {}  # layer -> rows per expert routed in this ep group, this step
 
-    def route(self, counts: torch.Tensor) -> torch.Tensor:
+    def take_loads(self) -> dict[str, torch.Tensor]:
+        """Each layer's rows per expert since the last call (every ep rank's, summed), and start counting anew."""
+        loads, self.loads = self.loads, {}
+        return loads
+
+    def route(self, counts: torch.Tensor, layer: str = "") -> torch.Tensor:
         raise DistributedError(
             "this expert-parallel graph was built for inspection; run it through a Program compiled under a "
             "process group"
@@ -67,15 +74,21 @@ class ExpertParallel(UnboundExpertParallel):
         # NCCL moves device tensors; gloo's all-to-all takes CPU ones.
         self.on_host = dist.get_backend(group) != "nccl"
 
-    def route(self, counts: torch.Tensor) -> torch.Tensor:
+    def route(self, counts: torch.Tensor, layer: str = "") -> torch.Tensor:
         """The routing of one layer's rows from the rows each of the E experts gets here (see the module doc)."""
-        send = counts.to(torch.int64).reshape(self.degree, -1).contiguous()
-        wire = send.cpu() if self.on_host else send
-        receive = torch.empty_like(wire)
-        self.comm.count("ep_counts", wire.numel() * wire.element_size())
+        wire = counts.to(torch.int64).contiguous()
+        wire = wire.cpu() if self.on_host else wire
+        every = wire.new_empty(self.degree * wire.numel())
+        self.comm.count("ep_counts", every.numel() * every.element_size())
         with self.comm.timing("ep_counts"):
-            dist.all_to_all_single(receive, wire, group=self.group)
-        return torch.stack([wire, receive]).cpu()  # the one host sync of a layer's forward
+            all_gather_tensor(every, wire, group=self.group)
+        every = every.cpu().view(self.degree, -1)  # the one host sync of a layer's forward
+        load = every.sum(0)
+        self.loads[layer] = load + self.loads[layer] if layer in self.loads else load
+        local = every.shape[1] // self.degree
+        send = every[self.rank].view(self.degree, local)
+        receive = every[:, self.rank * local : (self.rank + 1) * local]
+        return torch.stack([send, receive])
 
     def exchange(self, rows: torch.Tensor, send: list[int], receive: list[int], op: str) -> torch.Tensor:
         """Rows ``send[i]`` to ep rank i, ``receive[i]`` from it (an all-to-all), counted under ``op``."""
@@ -138,12 +151,12 @@ class _Combine(torch.autograd.Function):
 
 @stays_eager
 def dispatch(
-    ep: UnboundExpertParallel, rows: torch.Tensor, offs: torch.Tensor
+    ep: UnboundExpertParallel, rows: torch.Tensor, offs: torch.Tensor, layer: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's experts' rows from every ep rank, expert-major; their ``offs``; and the routing."""
     ends = offs.to(torch.int64)
     counts = torch.cat([ends[:1], ends[1:] - ends[:-1]])
-    routing = ep.route(counts)
+    routing = ep.route(counts, layer)
     local_offs = routing[1].sum(0).cumsum(0).to(device=offs.device, dtype=offs.dtype)
     return _Dispatch.apply(rows, ep, routing), local_offs, routing
 

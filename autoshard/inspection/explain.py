@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autoshard.graph_ops import experts as ep_ops
 from autoshard.graph_ops import tp as tp_ops
-from autoshard.ir.meta import LAYER, MODEL_PREFIX, get_layer
+from autoshard.ir.meta import LAYER, MODEL_PREFIX, evaluate_expr, get_expert, get_layer, get_shape
 from autoshard.ir.placements import OnStages, Shard
 from autoshard.passes import tp_rewrite
 from autoshard.passes.infra import all_nodes
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from autoshard.ir.placements import ParamPlacement
     from autoshard.program import Program
 
-__all__ = ["explain", "fmt_count"]
+__all__ = ["expert_lines", "explain", "fmt_count"]
 
 
 def fmt_count(value: int) -> str:
@@ -67,6 +68,8 @@ def explain(program: Program) -> str:
         lines += ["", *_stages(program)]
     if program.tp_report is not None:
         lines += ["", *_tensor_parallel(program)]
+    if program.plan.ep > 1:
+        lines += ["", *expert_lines(program)]
     if program.runtime is not None:
         lines += ["", f"this rank ({program.rank}): {program.runtime.holder.describe()}"]
     lines += _torch_compile(program)
@@ -152,6 +155,28 @@ def _stages(program: Program) -> list[str]:
         )
     if schedule.microbatches * schedule.virtual_stages <= 16:
         lines += ["", schedule.table()]
+    return lines
+
+
+def expert_lines(program: Program) -> list[str]:
+    """The MoE layers ep splits: experts a rank, the rows each dispatch moves, and the last step's measured load."""
+    plan, sizes = program.plan, dict(program.plan_report.sizes)
+    at = {**sizes, "B": sizes["B"] // plan.dp // plan.microbatches}
+    lines = [
+        f"expert parallel (ep={plan.ep} out of dp={plan.dp}): each group of {plan.ep} consecutive dp ranks splits "
+        f"every MoE layer's experts, each expert is data parallel over the {plan.dp // plan.ep} ranks holding it; "
+        f"per layer and microbatch 3 all-to-alls forward (counts, dispatch, combine), 2 backward"
+    ]
+    measured = program.metrics.expert_load if program.metrics is not None else {}
+    graphs = [s.gm for s in program.compiled.stages] or [program.captured_graph]
+    for node in (n for gm in graphs for n in gm.graph.nodes if n.target is ep_ops.dispatch):
+        record, rows = get_expert(node), get_shape(node).tensors[0]
+        moved = evaluate_expr(rows.nbytes, at)
+        load = f", expert load max/mean {measured[record.layer]:.2f} (last step)" if record.layer in measured else ""
+        lines.append(
+            f"  {record.layer:<30} {record.experts} experts, {record.experts // record.ep} a rank; each dispatch "
+            f"and combine moves {fmt_count(int(moved))}B a rank (rows {rows}){load}"
+        )
     return lines
 
 

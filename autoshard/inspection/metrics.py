@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,9 @@ class StepMetrics:
     world_size: int
     peak_memory_bytes: int
     memory_source: str  # "cuda allocator" or "process RSS"
+    # With ep: each MoE layer's expert load in this rank's ep group, the most rows an expert got over the
+    # mean per expert (1.0: balanced; E / top_k at worst), by layer.
+    expert_load: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -77,7 +80,13 @@ class StepMetrics:
             f"{self.tflops_per_rank:.3g} TFLOP/s per rank, MFU {self.mfu:.2%}, step {self.step_seconds * ms:.1f} ms "
             f"(compute {self.compute_seconds * ms:.1f}, communication {self.comm_seconds * ms:.1f}, "
             f"bubble {self.bubble_seconds * ms:.1f}), peak memory {self.peak_memory_bytes / 2**20:.1f} MiB"
+            + (f", expert load max/mean {max(self.expert_load.values()):.2f}" if self.expert_load else "")
         )
+
+
+def _expert_load(runtime: Any) -> dict[str, float]:
+    loads = runtime.ep.take_loads() if runtime.ep is not None else {}
+    return {layer: float(rows.max() / rows.float().mean()) for layer, rows in loads.items() if rows.sum() > 0}
 
 
 def trace_path(path: str | os.PathLike, rank: int, world: int) -> Path:
@@ -132,7 +141,7 @@ class Monitor:
             step=runtime.steps, loss=float(loss), step_seconds=step, compute_seconds=max(0.0, step - comm - bubble),
             comm_seconds=comm, bubble_seconds=bubble, tokens=sizes["B"] * sizes.get("S", 1),
             unit="tokens" if "S" in sizes else "samples", flops=flops, peak_flops=self.peak_flops(),
-            world_size=program.mesh.size, **_peak_memory(runtime.device),
+            world_size=program.mesh.size, **_peak_memory(runtime.device), expert_load=_expert_load(runtime),
         )  # fmt: skip
         self.last = metrics
         self.history = (self.history + [metrics])[-3:]

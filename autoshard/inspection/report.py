@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from autoshard.inspection.explain import fmt_count
+from autoshard.inspection.explain import expert_lines, fmt_count
 from autoshard.inspection.html import esc, graph_code, memory_bars, page, table, timeline
 from autoshard.passes import tp_rewrite
 
@@ -69,6 +69,8 @@ def render(program: Program, measured: list[dict[str, Any]]) -> str:
         sections.append(("Pipeline timeline", _timelines(program, chosen, measured)))
     if any(m["metrics"] for m in measured):
         sections.append(("Throughput measured", _throughput(measured)))
+    if program.plan.ep > 1:
+        sections.append(("Experts", "<pre>" + esc("\n".join(expert_lines(program))) + "</pre>"))
     sections += [("Layers", _layers(program)), ("Graphs", _graphs(program))]
     return page(f"autoshard report: {name} on {program.mesh}", sections)
 
