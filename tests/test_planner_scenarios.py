@@ -123,3 +123,34 @@ def test_a_pipeline_whose_bubble_matters_takes_a_zero_bubble_schedule(wide_llama
     one_f_one_b = plan(wide_llama, 64, 64, 2048, slow, plan={**fields, "schedule": "1f1b"})
     assert report.chosen.step_time < one_f_one_b.chosen.step_time
     assert report.chosen.time.bubble < one_f_one_b.chosen.time.bubble
+
+
+def mixtral(layers: int, experts: int) -> torch.nn.Module:
+    """Mixtral-8x7B's widths (hidden 4096, 32 heads over 8 KV heads, experts of MLP 14336, top 2)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=experts, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(config)
+
+
+def test_a_mixture_of_experts_splits_its_experts_inside_a_node() -> None:
+    """Mixtral-8x7B-shaped on 64 H100s: replicated experts cost every rank all of their gradients' traffic;
+    ep spreads them over the fast links of a node."""
+    chosen = plan(mixtral(4, 8), 64, 256, 4096, H100).winner
+    assert chosen.ep > 1 and chosen.ep * chosen.tp <= H100.devices_per_node, chosen
+
+
+def test_expert_parallelism_crosses_nodes_only_over_fast_links() -> None:
+    """32 experts: with the preset's inter-node links ep spans nodes (a rank holds fewer experts); with those
+    links 20x slower the all-to-alls keep inside a node."""
+    model = mixtral(4, 32)
+    fast = plan(model, 64, 256, 4096, H100).winner
+    slow = plan(model, 64, 256, 4096, H100.with_(inter_bandwidth=H100.inter_bandwidth / 20)).winner
+    assert fast.ep * fast.tp > H100.devices_per_node, fast
+    assert 1 < slow.ep and slow.ep * slow.tp <= H100.devices_per_node, slow

@@ -159,6 +159,9 @@ def _collective(
         return seconds(lambda: comm.all_gather(full, mine, in_place=True), device, least=_LEAST, group=group)
     if op == "reduce_scatter":
         return seconds(lambda: comm.reduce_scatter(mine, full, in_place=True), device, least=_LEAST, group=group)
+    if op == "all_to_all":  # expert parallelism's dispatch and combine: equal shares to every rank
+        out = torch.empty_like(full)
+        return seconds(lambda: dist.all_to_all_single(out, full, group=group), device, least=_LEAST, group=group)
     x = full
     index = ranks.index(me)  # send_recv: the first half sends to the second (pairs: one each way)
     peer = ranks[index ^ 1]
@@ -218,7 +221,7 @@ def measure(
                 # A rank outside every group of the layout (an odd world's last) waits on none.
                 dist.barrier(group=group)
                 waits.append((len(layout[0]), _sync_wait(device, made[mine]) if mine is not None else 0.0))
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"):
                 times = [0.0, 0.0]
                 if mine is not None:
                     ranks = layout[mine]

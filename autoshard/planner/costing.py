@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 
+from autoshard.planner.part_times import value
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
@@ -93,8 +94,9 @@ class Costing:
 
         if schedule is None:
             stage = stages[0]
-            compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm)
+            compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm - stage.ep_comm)
             tp_comm, pp_comm, bubble, window = plan.microbatches * stage.tp_comm, 0.0, 0.0, stage.backward
+            ep_comm = plan.microbatches * stage.ep_comm
             in_flight = [1]
             timeline: tuple = ()
         else:
@@ -104,12 +106,13 @@ class Costing:
             no_send = makespan
             if with_timeline:
                 no_send = run([dataclasses.replace(s, send=0.0) for s in stages])[0]
-            per_rank_tp = [0.0] * plan.pp
+            per_rank_tp, per_rank_ep = [0.0] * plan.pp, [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[schedule.rank_of(index)] += plan.microbatches * s.tp_comm
+                per_rank_ep[schedule.rank_of(index)] += plan.microbatches * s.ep_comm
             slowest = max(range(plan.pp), key=busy.__getitem__)
-            tp_comm = per_rank_tp[slowest]
-            compute = busy[slowest] - tp_comm
+            tp_comm, ep_comm = per_rank_tp[slowest], per_rank_ep[slowest]
+            compute = busy[slowest] - tp_comm - ep_comm
             pp_comm = max(0.0, makespan - no_send)
             bubble = max(0.0, makespan - busy[slowest] - pp_comm)
             window = max(s.backward for s in stages)
@@ -120,7 +123,7 @@ class Costing:
             tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
         time = StepTime(
-            compute=compute, recompute=recompute, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
+            compute=compute, recompute=recompute, tp_comm=tp_comm, ep_comm=ep_comm, pp_comm=pp_comm, bubble=bubble,
             dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
         )  # fmt: skip
         memory, per_row = self._memory(plan, stages, in_flight, micro)
@@ -180,7 +183,7 @@ class Costing:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
         # Everything _costed_stages reads of the plan.
         key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
-               plan.dp, self._dtype(plan), micro, slowdown)  # fmt: skip
+               plan.dp, plan.ep, self._dtype(plan), micro, slowdown)  # fmt: skip
         stages = self._stage_memo.get(key)
         if stages is None:
             stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
@@ -192,8 +195,8 @@ class Costing:
         cut_names = self._parts_per_stage(plan, micro)
         block_iter = iter(self.profile.block_names)
         for names in cut_names:
-            f = b = r = tp = 0.0
-            params = elements = largest = groups = partial = 0
+            f = b = r = tp = ep = 0.0
+            params = elements = largest = groups = partial = expert_params = expert_elements = 0
             kept = transient = boundary = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
@@ -213,6 +216,14 @@ class Costing:
                 largest = max(largest, part.largest_param_bytes)
                 groups += count * part.gather_groups
                 partial += count * part.partial_grad_bytes
+                if plan.ep > 1 and part.moe_layers:  # this rank keeps E / ep of each layer's experts
+                    kept_share = part.expert_param_bytes // plan.ep, part.expert_elements // plan.ep
+                    params -= count * (part.expert_param_bytes - kept_share[0])
+                    elements -= count * (part.expert_elements - kept_share[1])
+                    expert_params += count * kept_share[0]
+                    expert_elements += count * kept_share[1]
+                    exchanges = count * self._all_to_alls(part, plan, sizes)
+                    f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
                 k, tr, _ = part.at(choice, sizes, plan.autocast)
                 kept += count * k
                 transient = max(transient, tr)
@@ -229,8 +240,18 @@ class Costing:
             if plan.pp > 1 and names:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
-            out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial))
+            out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
+                             expert_params, expert_elements, ep))  # fmt: skip
         return out
+
+    def _all_to_alls(self, part: PartAtDegree, plan: Plan, sizes: dict[str, int]) -> float:
+        """Seconds of one microbatch's all-to-alls in a part's MoE layers, forward and backward: per layer the
+        counts (latency only), then each way a dispatch and a combine of its rows, over ep consecutive dp ranks."""
+        hw, span = self.hardware, plan.ep * plan.tp
+        rows = value(part.dispatch_bytes, sizes) / part.moe_layers
+        move = hw.collective_seconds("all_to_all", rows, plan.ep, span)
+        counts = hw.collective_seconds("all_gather", 8 * part.experts * plan.ep, plan.ep, span) + hw.sync(plan.ep)
+        return part.moe_layers * (counts + 4 * move)
 
     def _data_parallel(
         self, plan: Plan, stages: list[Stage], window: float, compute: float, node: int
@@ -248,9 +269,16 @@ class Costing:
         groups = max(sum(s.groups for s in group) for group in per_rank)
         calls = max(1, groups if plan.zero == 3 else math.ceil(grad_bytes / plan.bucket_bytes))
 
+        # Experts are data parallel over the dp / ep ranks holding them: their share of the bytes goes there.
+        experts = max(sum(s.expert_elements for s in group) for group in per_rank) / max(1, elements)
+
         def collectives(op: str, nbytes: float) -> float:
-            arrival = hw.sync(plan.dp) if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
-            return calls * (hw.collective_seconds(op, nbytes / calls, plan.dp, span) + arrival)
+            seconds = 0.0
+            for n, share in ((plan.dp, 1 - experts), (plan.dp // plan.ep, experts)):
+                if share > 0 and n > 1:
+                    arrival = hw.sync(n) if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
+                    seconds += calls * share * (hw.collective_seconds(op, nbytes / calls, n, span) + arrival)
+            return seconds
 
         dp_comm = zero3 = 0.0
         if plan.dp > 1:
@@ -289,20 +317,23 @@ class Costing:
             params = sum(s.params for s in group)
             elements = sum(s.elements for s in group)
             weights, grads = params, params
+            # ZeRO shards dense parameters over dp, this rank's experts over the dp / ep ranks holding them.
+            sharded = (elements + (plan.ep - 1) * sum(s.expert_elements for s in group)) / plan.dp
+            sharded_bytes = (params + (plan.ep - 1) * sum(s.expert_params for s in group)) / plan.dp
             masters = elements * 4 if is_mixed_precision(plan.param_dtype) else 0
             optimizer = ADAM_STATES * elements * 4
             largest = max(s.largest for s in group)
             if plan.zero >= 1:
-                optimizer //= plan.dp
-                masters //= plan.dp
+                optimizer = ADAM_STATES * sharded * 4
+                masters = sharded * 4 if masters else 0
             # What the runtime holds at the end of backward (autoshard/runtime/holders.py, zero.py): ZeRO-2
             # allocates the full gradient buffers for the backward and keeps only its shard after; ZeRO-3
             # reduce-scatters each group as its backward ends, unless microbatches accumulate into it.
             gathered = 0
             if plan.zero >= 3:
-                weights //= plan.dp
+                weights = sharded_bytes
                 gathered = 2 * largest  # a layer and the prefetched next one
-                grads = grads // plan.dp + (grads if plan.microbatches > 1 else 2 * largest)
+                grads = sharded_bytes + (grads if plan.microbatches > 1 else 2 * largest)
             if plan.offload:
                 optimizer, masters = 0, 0
             # Each microbatch in flight on this rank holds one of its stages' activations (pp = 1: gradient

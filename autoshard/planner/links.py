@@ -17,6 +17,7 @@ def ring_factors(op: str, n: int) -> tuple[float, int]:
         "all_gather": ((n - 1) / n, n - 1),
         "reduce_scatter": ((n - 1) / n, n - 1),
         "send_recv": (1.0, 1),
+        "all_to_all": ((n - 1) / n, n - 1),  # each rank's buffer: all but its own share leaves it
     }[op]
 
 

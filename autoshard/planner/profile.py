@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from autoshard import passes
+from autoshard.errors import PlanError
 from autoshard.ir.meta import evaluate_expr, get_layer, get_shape
 from autoshard.ir.placements import Shard
 from autoshard.planner import part_graph
@@ -63,6 +64,13 @@ class PartAtDegree:
     # Its replicated weights whose gradients each rank holds a part of (sequence parallel's norms, a bias added
     # after a reduce-scatter): summed over tp once a step, after backward.
     partial_grad_bytes: int = 0
+    # Its mixture-of-experts layers (passes/expert_parallel.py finds them): their count, the fewest experts of
+    # one, the bytes of their stacked expert weights (and elements), the rows each dispatch moves per call.
+    moe_layers: int = 0
+    experts: int = 0
+    expert_param_bytes: int = 0
+    expert_elements: int = 0
+    dispatch_bytes: sympy.Expr = sympy.Integer(0)
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -143,8 +151,26 @@ def _profile_part(
     )
     attrs = {n.target: n for n in g.graph.nodes if n.op == "get_attr" and n.target in owned}
     partial_bytes = sum(int(evaluate_expr(get_shape(attrs[t]).nbytes, {})) for t in partial if t in attrs)
-    return PartAtDegree(works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels,
+    part = PartAtDegree(works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels,
                         tied, partial_bytes)  # fmt: skip
+    if degree == 1:  # ep works with tp=1
+        _experts(part, g, owned)
+    return part
+
+
+def _experts(part: PartAtDegree, g: fx.GraphModule, owned: frozenset[str]) -> None:
+    """Fill in the part's MoE layers (none where the pass does not recognise them: ep will refuse)."""
+    try:
+        layers = passes.expert_parallel.find_layers(g)
+    except PlanError:
+        return
+    weights = {w.target: w for layer in layers for w in layer.weights if w.target in owned}
+    shapes = [get_shape(w).tensor for w in weights.values()]
+    part.moe_layers = len(layers)
+    part.experts = min((layer.experts for layer in layers), default=0)
+    part.expert_param_bytes = sum(int(evaluate_expr(t.nbytes, {})) for t in shapes)
+    part.expert_elements = sum(int(evaluate_expr(t.numel, {})) for t in shapes)
+    part.dispatch_bytes = sympy.Add(*(get_shape(layer.rows).tensor.nbytes for layer in layers))
 
 
 @dataclass
@@ -170,6 +196,12 @@ class ModelProfile:
             self._cache[key] = _profile_part(part, self.owned[name], self.tied[name], degree, key[2], self.sizes,
                                              self.kernels, hands_on=name != "post")  # fmt: skip
         return self._cache[key]
+
+    @property
+    def experts(self) -> int:
+        """The fewest experts of any MoE layer (0: no MoE layer that ep can split)."""
+        counts = [self.part(name, 1, False).experts for name in self.parts]
+        return min((c for c in counts if c), default=0)
 
     def shards(self, degree: int) -> bool:
         """tp at this degree shards some weight of every block kind."""

@@ -57,6 +57,7 @@ class StepTime:
     compute: float = 0.0  # forward and backward kernels (recomputation included)
     recompute: float = 0.0  # of which: forward work repeated in backward
     tp_comm: float = 0.0  # tensor-parallel collectives (on the critical path: they sit between kernels)
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (on the critical path: the experts wait for their rows)
     pp_comm: float = 0.0  # pipeline sends and receives on the critical path
     bubble: float = 0.0  # pipeline idle time
     dp_comm: float = 0.0  # gradient reduction (and ZeRO's parameter all-gather) not hidden behind backward
@@ -70,7 +71,7 @@ class StepTime:
 
     @property
     def exposed_communication(self) -> float:
-        return self.tp_comm + self.pp_comm + self.dp_comm + self.zero3 + self.offload
+        return self.tp_comm + self.ep_comm + self.pp_comm + self.dp_comm + self.zero3 + self.offload
 
     def __str__(self) -> str:
         parts = ", ".join(

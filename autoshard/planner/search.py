@@ -106,8 +106,10 @@ def enumerate_plans(
         if dp % overrides.get("ep", 1):
             refused[f"ep={overrides['ep']} does not divide dp={dp} (ep groups are carved out of dp)"] = None
             continue
+        experts = costing.profile.experts if tp == 1 else 0  # ep splits the experts of a model without tp
+        eps = _options("ep", overrides, [e for e in _divisors(dp) if experts and experts % e == 0] or [1])
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
-        for zero in zeros:
+        for zero, ep in ((z, e) for z in zeros for e in eps):
             for offload in _options("offload", overrides, [False, True] if zero else [False]):
                 if zero > 0 and dp == 1 and not offload and "zero" not in overrides:
                     continue  # one rank: ZeRO shards nothing, but ZeRO-Offload still moves the optimizer out
@@ -117,7 +119,15 @@ def enumerate_plans(
                     for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
                         options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, refused)
                         for fields in options:
-                            base = {**overrides, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "offload": offload}
+                            base = {
+                                **overrides,
+                                "dp": dp,
+                                "tp": tp,
+                                "pp": pp,
+                                "ep": ep,
+                                "zero": zero,
+                                "offload": offload,
+                            }
                             yield Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
 
 

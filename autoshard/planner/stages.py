@@ -25,6 +25,9 @@ class Stage:
     kept: float  # activation bytes one microbatch keeps
     transient: float
     partial_grads: int = 0  # bytes of replicated weights' gradients summed over tp once a step
+    expert_params: int = 0  # of params: this rank's experts (E / ep of each MoE layer's), data parallel over dp / ep
+    expert_elements: int = 0
+    ep_comm: float = 0.0  # of forward + backward: expert parallelism's all-to-alls, one microbatch
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
