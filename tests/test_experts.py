@@ -61,8 +61,9 @@ def test_ep_with_pipeline(ranks) -> None:
 
 
 def test_all_to_alls_per_layer(ranks) -> None:
-    """Per MoE layer and step: forward exchanges counts, dispatches and combines (3 all-to-alls); backward
-    returns the combine's and the dispatch's gradients (2). Each rank holds E / ep experts."""
+    """Per MoE layer and step: forward gathers the row counts, dispatches and combines (an all-gather of E
+    integers a rank, 2 all-to-alls); backward returns the combine's and the dispatch's gradients (2
+    all-to-alls). Each rank holds E / ep experts."""
     results = ranks(4).run(exchanges_per_step, "hf:mixtral:causal", {"dp": 4}, {"ep": 2})
     layers = 2
     for result in results:

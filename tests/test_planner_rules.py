@@ -220,7 +220,7 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
     assert [n for n, _ in hw.group_sync_waits] == ([4, 2] if shared else [])
     assert all(hw.sync(n) == w >= 0 for n, w in hw.group_sync_waits) and hw.sync(4) == hw.sync_wait
     assert {(c.op, c.group_size) for c in hw.collectives} == {
-        (op, n) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for n in (4, 2)
+        (op, n) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all") for n in (4, 2)
     }
     assert all(0 < c.bandwidth <= hw.memory_bandwidth and c.latency >= 0 for c in hw.collectives)
     assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1

@@ -165,7 +165,7 @@ def expert_lines(program: Program) -> list[str]:
     lines = [
         f"expert parallel (ep={plan.ep} out of dp={plan.dp}): each group of {plan.ep} consecutive dp ranks splits "
         f"every MoE layer's experts, each expert is data parallel over the {plan.dp // plan.ep} ranks holding it; "
-        f"per layer and microbatch 3 all-to-alls forward (counts, dispatch, combine), 2 backward"
+        f"per layer and microbatch a gather of the row counts and 2 all-to-alls forward (dispatch, combine), 2 backward"
     ]
     measured = program.metrics.expert_load if program.metrics is not None else {}
     graphs = [s.gm for s in program.compiled.stages] or [program.captured_graph]

@@ -24,7 +24,7 @@ import torch
 
 from autoshard.planner.part_times import value
 from autoshard.planner.profile import ModelProfile, PartAtDegree
-from autoshard.planner.report import Candidate, Memory, StepTime
+from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
 from autoshard.planner.stages import Stage, balanced_starts, by_rank
 from autoshard.spec.plan import Plan, is_mixed_precision
@@ -135,7 +135,7 @@ class Costing:
         expr = sympy.Integer(memory.total - memory.activations) + sympy.Rational(per_row).limit_denominator(10**6) * B
         return Candidate(
             plan=plan, step_time=step, memory=memory, time=time, tflops_per_device=per_device / 1e12, mfu=mfu,
-            fits=fits, why=_why(time, memory, fits, hw), capacity=hw.memory_bytes, timeline=timeline,
+            fits=fits, why=bottleneck(time, memory, fits, hw), capacity=hw.memory_bytes, timeline=timeline,
             memory_expr=expr, batch_multiple=plan.dp * plan.microbatches,
         )  # fmt: skip
 
@@ -387,17 +387,3 @@ def _exposed(hw: Hardware, op: str, seconds: float, window: float, nbytes: float
         return seconds
     last = seconds * min(1.0, bucket / nbytes) if nbytes else 0.0
     return max(seconds - hw.overlap * window, last)
-
-
-def _why(time: StepTime, memory: Memory, fits: bool, hw: Hardware) -> str:
-    if not fits:
-        return f"memory: {memory.total / 2**30:.2f} GiB per rank needed, {hw.memory_bytes / 2**30:.2f} GiB available"
-    step = time.total
-    parts = {
-        "compute": time.compute + time.optimizer,
-        "exposed communication": time.exposed_communication,
-        "bubble": time.bubble,
-    }
-    name = max(parts, key=parts.__getitem__)
-    detail = ", ".join(f"{k} {v / step:.0%}" for k, v in parts.items())
-    return f"{name}: {detail} of the step"

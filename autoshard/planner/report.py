@@ -14,7 +14,7 @@ from autoshard.spec.plan import Plan
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
 
-__all__ = ["BOTTLENECKS", "Candidate", "Memory", "PlanReport", "StepTime", "fmt_bytes"]
+__all__ = ["BOTTLENECKS", "Candidate", "Memory", "PlanReport", "StepTime", "bottleneck", "fmt_bytes"]
 
 BOTTLENECKS = ("compute", "exposed communication", "bubble", "memory")
 
@@ -200,3 +200,18 @@ class PlanReport(Sequence):
                 f"   why: {c.why}",
             ]
         return "\n".join(lines)
+
+
+def bottleneck(time: StepTime, memory: Memory, fits: bool, hw: Hardware) -> str:
+    """The bottleneck of a plan, in words: memory where it does not fit, else the largest share of its step."""
+    if not fits:
+        return f"memory: {memory.total / 2**30:.2f} GiB per rank needed, {hw.memory_bytes / 2**30:.2f} GiB available"
+    step = time.total
+    parts = {
+        "compute": time.compute + time.optimizer,
+        "exposed communication": time.exposed_communication,
+        "bubble": time.bubble,
+    }
+    name = max(parts, key=parts.__getitem__)
+    detail = ", ".join(f"{k} {v / step:.0%}" for k, v in parts.items())
+    return f"{name}: {detail} of the step"

@@ -33,7 +33,6 @@ from autoshard.distributed.comm import CommCounter
 from autoshard.distributed.groups import expert_groups, make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
-from autoshard.graph_ops.experts import ExpertParallel
 from autoshard.graph_ops.masks import SingleDeviceMasks
 from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
@@ -41,6 +40,7 @@ from autoshard.ir.placements import ParamPlacement, Shard
 from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.runtime.compiled import rank_compiler
+from autoshard.runtime.expert_parallel import ExpertParallel
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
 from autoshard.runtime.optim import (
