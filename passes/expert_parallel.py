@@ -37,7 +37,7 @@ from autoshard.sharding.pointwise import RULES as POINTWISE_RULES
 
 from .infra import Need, Pass, PassResult, calls_to
 
-__all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "run"]
+__all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "is_grouped_mm", "run"]
 
 RUNTIME_ATTR = "ep"
 aten = torch.ops.aten
@@ -49,7 +49,7 @@ SPLITS = {aten.chunk, aten.split, aten.split_with_sizes, aten.unsafe_split, aten
 CHECKS = {aten._assert_tensor_metadata}
 
 
-def _is_grouped_mm(node: fx.Node) -> bool:
+def is_grouped_mm(node: fx.Node) -> bool:
     op = packet(node.target) if node.op == "call_function" else None
     return getattr(op, "_qualified_op_name", "") in GROUPED_MATMULS
 
@@ -120,12 +120,12 @@ class Layer:
         for node in region:
             op = packet(node.target)
             if node.op != "call_function" or not (
-                _is_grouped_mm(node) or op in CHECKS or op is operator.getitem or op in SPLITS and _feature_dim(node)
+                is_grouped_mm(node) or op in CHECKS or op is operator.getitem or op in SPLITS and _feature_dim(node)
                 or node.target in POINTWISE_RULES and not _broadcasts_rows(node)
             ):  # fmt: skip
                 raise self.refuse(node, "is not computed row by row")
             for arg in node.all_input_nodes:
-                if arg not in allowed and not (arg is self.offs and _is_grouped_mm(node)):
+                if arg not in allowed and not (arg is self.offs and is_grouped_mm(node)):
                     raise self.refuse(node, f"reads {arg.name}, a value from outside the experts")
             if node is not self.last and any(u not in inside for u in node.users):
                 outside = next(u for u in node.users if u not in inside)
@@ -149,7 +149,7 @@ def find_layers(gm: fx.GraphModule) -> list[Layer]:
     """Every MoE layer of the graph (grouped matmuls sharing an ``offs``), in graph order."""
     by_offs: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if _is_grouped_mm(node):
+        if is_grouped_mm(node):
             offs = _offs(node)
             if offs is None:
                 raise PlanError(f"ep cannot split {node.name}: a grouped matmul without offs (rows per expert)")
@@ -190,7 +190,7 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
         _mark(part, NodeShape(tensors=(shape,)), name, record)
     for node in layer.region:
         node.replace_input_with(layer.rows, parts[0])
-        if _is_grouped_mm(node):
+        if is_grouped_mm(node):
             node.replace_input_with(layer.offs, parts[1])
     outside = [u for u in layer.last.users if u not in layer.region]
     with graph.inserting_after(layer.last):

@@ -44,10 +44,11 @@ from torch import fx
 from autoshard.ir.meta import SHAPE, TP, TpPlacement, get_shape
 from autoshard.ir.ops import GRAD_PATH_ELEMENTWISE, SHARD_PRESERVING
 from autoshard.ir.placements import Placement, Replicate, Shard
-from autoshard.sharding import RULES
+from autoshard.sharding import rule_of
 from autoshard.sharding.matmul import matmul_dims
 from autoshard.sharding.propagate import Propagation, Redistribution, propagate
 
+from . import expert_parallel
 from .infra import Need, Pass, PassResult
 
 __all__ = ["PASS", "Redistribution", "TpReport", "run"]
@@ -90,22 +91,49 @@ def _trainable_matrix(gm: fx.GraphModule, node: object) -> bool:
     return shape.requires_grad and len(shape.tensor.sizes) == 2
 
 
+def _expert_matmul(node: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """A grouped matmul's stacked expert weight (get_attr, trainable, [E, ., .]) through its transposes and
+    casts, and which of its dims are the matmul's output and input features (None: not one)."""
+    if node.op != "call_function" or not expert_parallel.is_grouped_mm(node):
+        return None
+    weight, dims = node.args[1], [0, 1, 2]  # dims[i]: the weight's dim that is mat_b's dim i
+    while isinstance(weight, fx.Node) and weight.op == "call_function":
+        if weight.target == aten.transpose.int:
+            a, b = (d % 3 for d in weight.args[1:3])
+            dims[a], dims[b] = dims[b], dims[a]
+        elif weight.target not in (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.alias.default):
+            return None
+        weight = weight.args[0]
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr" or not get_shape(weight).requires_grad:
+        return None
+    return (weight, dims[2], dims[1]) if len(get_shape(weight).tensor.sizes) == 3 else None
+
+
+def _matmul(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(input, weight get_attr) of a linear-like op or grouped matmul with a trainable weight; else None."""
+    dims = matmul_dims(node.target) if node.op == "call_function" else None
+    if dims and _trainable_matrix(gm, node.args[dims[1]]):
+        return node.args[dims[0]], node.args[dims[1]]
+    experts = _expert_matmul(node)
+    return (node.args[0], experts[0]) if experts else None
+
+
 def _seeds(gm: fx.GraphModule) -> list[fx.Node]:
-    """Linear-like and embedding nodes whose weight is a trainable matrix, in graph order."""
+    """Linear-like, grouped-matmul and embedding nodes whose weight is a trainable matrix (or stack of them)."""
     seeds = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        dims = matmul_dims(node.target)
-        weight = node.args[dims[1]] if dims else node.args[0] if node.target == aten.embedding.default else None
-        if _trainable_matrix(gm, weight):
+        embedding = node.target == aten.embedding.default and _trainable_matrix(gm, node.args[0])
+        if embedding or _matmul(gm, node):
             seeds.append(node)
     return seeds
 
 
 def _weight_of(node: fx.Node) -> fx.Node:
     dims = matmul_dims(node.target)
-    return node.args[dims[1]] if dims else node.args[0]
+    experts = _expert_matmul(node)
+    return node.args[dims[1]] if dims else experts[0] if experts else node.args[0]
 
 
 def _bias_of(node: fx.Node) -> fx.Node | None:
@@ -119,12 +147,13 @@ def _bias_of(node: fx.Node) -> fx.Node | None:
 
 
 def _column(node: fx.Node, blocks: int = 1) -> Placement:
-    dims = matmul_dims(node.target)
-    return Shard(dims[2] if dims else 0, blocks)  # an embedding: rows (the vocabulary)
+    dims, experts = matmul_dims(node.target), _expert_matmul(node)
+    return Shard(dims[2] if dims else experts[1] if experts else 0, blocks)  # an embedding: rows (the vocabulary)
 
 
 def _row(node: fx.Node) -> Placement:
-    return Shard(1 - matmul_dims(node.target)[2])
+    experts = _expert_matmul(node)
+    return Shard(experts[2] if experts else 1 - matmul_dims(node.target)[2])
 
 
 def _fits(node: fx.Node, placement: Shard, degree: int) -> bool:
@@ -156,9 +185,9 @@ class _Search:
             if node in seen or node.op != "call_function":
                 continue
             seen.add(node)
-            dims = matmul_dims(node.target)
-            if dims and _trainable_matrix(self.gm, node.args[dims[1]]):
-                if self.undecided(trial, node.args[dims[1]].target) and prop.out.get(node.args[dims[0]]) == R:
+            matmul = _matmul(self.gm, node)
+            if matmul:
+                if self.undecided(trial, matmul[1].target) and prop.out.get(matmul[0]) == R:
                     found.append(node)
                 continue
             if node.target in _TRANSPARENT:
@@ -170,8 +199,8 @@ class _Search:
         node, steps = start, 0
         while node.op == "call_function" and steps < _TRANSPARENT_LIMIT:
             dims = matmul_dims(node.target)
-            if dims:
-                weight = node.args[dims[1]]
+            if dims or _expert_matmul(node):
+                weight = _weight_of(node)
                 ok = isinstance(weight, fx.Node) and weight.target in trial and weight.target not in self.committed
                 return node if ok else None
             if node.target not in SHARD_PRESERVING:
@@ -182,20 +211,19 @@ class _Search:
     def fix(self, prop: Propagation, trial: dict[str, Placement], banned: set[fx.Node]) -> bool:
         """Let undecided weights absorb one redistribution the trial caused; False when none can."""
         for consumer, source, src, dst in prop.wants:
-            dims = matmul_dims(consumer.target)
-            # A linear fed features sharded: row-parallel.
+            matmul = _matmul(self.gm, consumer)
+            # A linear (or an expert's) fed features sharded: row-parallel.
             if (
-                dims
-                and source is consumer.args[dims[0]]
+                matmul
+                and source is matmul[0]
                 and isinstance(src, Shard)
                 and src.blocks == 1
                 and src.dim == len(get_shape(source).tensor.sizes) - 1
                 and dst == R
-                and _trainable_matrix(self.gm, consumer.args[dims[1]])
-                and self.undecided(trial, consumer.args[dims[1]].target)
+                and self.undecided(trial, matmul[1].target)
                 and _fits(consumer, _row(consumer), self.degree)
             ):
-                trial[consumer.args[dims[1]].target] = _row(consumer)
+                trial[matmul[1].target] = _row(consumer)
                 return True
             if not isinstance(dst, Shard):
                 continue
@@ -294,7 +322,7 @@ def run(
         if node.op == "call_function":
             decision = prop.decisions[node]
             inputs = prop.reads[node]
-            has_rule = node.target in RULES
+            has_rule = rule_of(node.target) is not None
             if not has_rule:
                 name = str(node.target)
                 report.unruled[name] = report.unruled.get(name, 0) + 1

@@ -697,6 +697,18 @@ def _matmul(draw: st.DrawFn) -> Sample:
     return Sample((_tensor((*a_batch, m, k), seed=draw(seeds)), _tensor((*b_batch, k, n), seed=draw(seeds))))
 
 
+@st.composite
+def _grouped_mm(draw: st.DrawFn) -> Sample:
+    """A mixture of experts' grouped matmul: rows sorted by expert, ``offs`` where each expert's rows end. The
+    CPU kernel takes float32 with rows of whole 16-byte lines (so k and n are 24 or 48: their shards too)."""
+    experts, rows = draw(st.sampled_from([2, 3])), draw(st.sampled_from([4, 6, 12]))
+    k, n = draw(st.sampled_from([24, 48])), draw(st.sampled_from([24, 48]))
+    ends = sorted(draw(st.lists(st.integers(0, rows), min_size=experts - 1, max_size=experts - 1))) + [rows]
+    x = _tensor((rows, k), torch.float32, seed=draw(seeds))
+    w = _tensor((experts, k, n), torch.float32, seed=draw(seeds))
+    return Sample((x, w, torch.tensor(ends, dtype=torch.int32)))
+
+
 # the vocabulary ------------------------------------------------------------------------------------------
 
 
@@ -860,6 +872,7 @@ SAMPLES: dict[Any, Callable[[], st.SearchStrategy[Sample]]] = {
     aten.mm.default: _mm,
     aten.bmm.default: _bmm,
     aten.matmul.default: _matmul,
+    aten._grouped_mm.default: _grouped_mm,
     # the vocabulary
     aten.embedding.default: _embedding,
     aten.cross_entropy_loss.default: _cross_entropy,

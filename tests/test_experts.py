@@ -18,6 +18,17 @@ from autoshard.errors import PlanError
 MOE = ("hf:mixtral:causal", "hf:qwen2_moe:causal", "hf:olmoe:causal")
 
 
+def assert_moe_state_close(actual: dict, expected: dict, tp: bool = False) -> None:
+    """test_tp's tolerance; under tp with the floor at 1% of one AdamW step (lr 1e-3): a Mixtral's embedding
+    gradient sums the router's and the experts' split-K partial products in another order, and Adam
+    normalizes an element whose gradient is near zero (one element in 16384 measured 4.2e-6 away)."""
+    if not tp:
+        return assert_state_close(actual, expected)
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
 @functools.cache
 def reference(family: str, max_grad_norm: float | None = None) -> tuple[list[float], dict]:
     return train_single_device(family, max_grad_norm=max_grad_norm)
@@ -29,7 +40,7 @@ def run_ep(ranks, family: str, mesh: dict, plan: dict) -> list[dict]:
     ref_losses, ref_state = reference(family, plan.get("max_grad_norm"))
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5), rank
-    assert_state_close(results[0]["state"], ref_state)
+    assert_moe_state_close(results[0]["state"], ref_state, tp=mesh.get("tp", 1) > 1)
     return results
 
 
@@ -72,14 +83,15 @@ def test_all_to_alls_per_layer(ranks) -> None:
 
 
 def test_checkpoint_reshards_experts(ranks, tmp_path) -> None:
-    """Saved at ep=2 under ZeRO-1, loaded at ep=4 and at ep=1: training goes on as on one device."""
+    """Saved at ep=2 under ZeRO-1, loaded at ep=4, at ep=1, and at ep=2 with each expert split over tp=2:
+    training goes on as on one device."""
     family, path = "hf:mixtral:causal", str(tmp_path / "ck")
     ranks(4).run(train_and_save, family, {"dp": 4}, {"ep": 2, "zero": 1}, 3, 1, path)
     ref_losses, ref_state = reference(family)
-    for plan in ({"ep": 4}, {"ep": 1, "zero": 2}):
-        resumed = ranks(4).run(load_and_train, family, {"dp": 4}, plan, 3, path)
+    for mesh, plan in (({"dp": 4}, {"ep": 4}), ({"dp": 4}, {"ep": 1, "zero": 2}), ({"dp": 2, "tp": 2}, {"ep": 2})):
+        resumed = ranks(4).run(load_and_train, family, mesh, plan, 3, path)
         assert resumed[0]["losses"] == pytest.approx(ref_losses[1:], rel=1e-5), plan
-        assert_state_close(resumed[0]["state"], ref_state)
+        assert_moe_state_close(resumed[0]["state"], ref_state, tp=mesh.get("tp", 1) > 1)
 
 
 def test_hand_written_grouped_mm_moe(ranks) -> None:
@@ -101,11 +113,10 @@ def test_hand_written_grouped_mm_moe(ranks) -> None:
     [
         ("gpt2", {"dp": 4}, {"ep": 2}, "has none that autoshard recognises"),
         ("hf:mixtral:causal", {"dp": 8}, {"ep": 8}, "does not divide the 4 experts"),
-        ("hf:mixtral:causal", {"dp": 2, "tp": 2}, {"ep": 2}, "is not built yet"),
         ("hf:mixtral:causal", {"dp": 6}, {"ep": 4}, "must divide dp=6"),
         ("moe_mixing_rows", {"dp": 4}, {"ep": 2, "zero": 1, "param_dtype": torch.bfloat16}, "not computed row by row"),
     ],
-    ids=["dense", "experts", "tp", "dp", "mixing"],
+    ids=["dense", "experts", "dp", "mixing"],
 )
 def test_ep_refusals(family, mesh, plan, words) -> None:
     """What ep cannot split is refused at compile, before any rank works, with the reason."""
@@ -135,3 +146,15 @@ def test_explain_and_metrics_show_the_experts(ranks) -> None:
     assert "expert parallel (ep=2 out of dp=4)" in text and text.count("4 experts, 2 a rank") == 2
     # The two ranks of one ep group route the same rows, so they measure the same load.
     assert results[0]["load"] == results[1]["load"]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "plan"),
+    [({"dp": 2, "tp": 2}, {}), ({"dp": 4, "tp": 2}, {"ep": 2, "zero": 1})],
+    ids=["dp2-tp2", "dp4-ep2-tp2-zero1"],
+)
+def test_experts_under_tensor_parallelism(ranks, mesh, plan) -> None:
+    """Each expert's gate/up projection column-sharded (strided: each rank its gate and up halves) and its down
+    projection row-sharded, as Megatron shards an MLP; with ep, each rank's own experts so."""
+    results = run_ep(ranks, "hf:mixtral:causal", mesh, plan)
+    assert results[0]["state"]  # consolidated from tp and ep shards alike

@@ -98,3 +98,39 @@ def test_family_trains_like_one_device(ranks, family: str, mesh: dict[str, int],
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
     assert_state_close(results[0]["state"], ref_state)
+
+
+def check_experts_split(family: str) -> str:
+    """A mixture-of-experts family compiles offline at dp2 with ep=2, or is refused with the reason; what happened."""
+    fam = hf_families.by_name(family)
+    try:
+        _, _, model = hf_families.build(fam)
+    except hf_families.Skip as why:
+        pytest.skip(str(why))
+    if not any("expert" in name for name, _ in model.named_parameters()):
+        pytest.skip("no experts")
+    config, cls, ids, kwargs = _eager_inputs(fam)
+    torch.manual_seed(0)
+    try:
+        program = autoshard.compile(
+            cls(config), autoshard.Mesh(dp=2), example_inputs=(ids,), example_kwargs=dict(kwargs), plan={"ep": 2}
+        )
+    except autoshard.AutoshardError as refused:
+        assert len(str(refused)) > 40 and "ep" in str(refused), f"{family}: {refused}"
+        return f"refused: {refused}"
+    split = [k for k, p in program.placements.items() if isinstance(p.ep, Shard)]
+    assert split, family
+    for rank in (0, 1):
+        assert program.for_rank(rank).graph_modules
+    return f"split {len(split)} expert weights"
+
+
+@pytest.mark.parametrize("family", ["mixtral:causal", "qwen3_moe:causal", "granitemoe:causal"])
+def test_mixtures_of_experts_split_or_refuse(family: str) -> None:
+    check_experts_split(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f["family"] for f in hf_families.families()])
+def test_every_mixture_of_experts_splits_or_is_refused(family: str) -> None:
+    check_experts_split(family)

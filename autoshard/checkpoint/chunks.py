@@ -64,23 +64,29 @@ class TpSlice:
 
 
 def pieces(
-    storage: torch.Tensor, local_shape: tuple[int, ...], start: int, end: int, tp: TpSlice | None, full_shape: tuple
+    storage: torch.Tensor,
+    local_shape: tuple[int, ...],
+    start: int,
+    end: int,
+    slices: tuple[TpSlice, ...],
+    full_shape: tuple,
 ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """(full offsets, view) of each box of local flat elements ``[start, end)``; ``storage`` is 1-D and
-    holds exactly those elements."""
+    holds exactly those elements. ``slices``: how the rank's tensor is cut from the full one, a dimension
+    each (tp's, and ep's experts along dim 0)."""
     out = []
     for offsets, sizes, first in flat_boxes(tuple(local_shape), start, end):
-        box = storage[first - start : first - start + math.prod(sizes)].view(sizes)
-        if tp is None:
-            out.append((offsets, box))
-            continue
-        dim = tp.shard.dim
-        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
-        for seg_lo, seg_hi, full_lo in tp.segments(full_shape[dim]):
-            a, b = max(lo, seg_lo), min(hi, seg_hi)
-            if a < b:
-                moved = (*offsets[:dim], full_lo + a - seg_lo, *offsets[dim + 1 :])
-                out.append((moved, box.narrow(dim, a - lo, b - a)))
+        out.append((offsets, storage[first - start : first - start + math.prod(sizes)].view(sizes)))
+    for cut in slices:
+        dim, moved_out = cut.shard.dim, []
+        for offsets, box in out:
+            lo, hi = offsets[dim], offsets[dim] + box.shape[dim]
+            for seg_lo, seg_hi, full_lo in cut.segments(full_shape[dim]):
+                a, b = max(lo, seg_lo), min(hi, seg_hi)
+                if a < b:
+                    moved = (*offsets[:dim], full_lo + a - seg_lo, *offsets[dim + 1 :])
+                    moved_out.append((moved, box.narrow(dim, a - lo, b - a)))
+        out = moved_out
     return out
 
 

@@ -39,16 +39,17 @@ class Region:
     local_shape: tuple[int, ...]
     start: int
     end: int
-    tp: TpSlice | None
+    tp: tuple[TpSlice, ...]  # how the rank's tensor is cut from the full one
 
 
-def _tp_slice(rt: RankRuntime, key: str) -> TpSlice | None:
-    """The slice of the full tensor this rank holds: its tp slice, or its ep rank's experts (ep works with tp=1)."""
-    placement = rt.compiled.placements[key]
+def _tp_slice(rt: RankRuntime, key: str) -> tuple[TpSlice, ...]:
+    """How the tensor this rank holds is cut from the full one: its tp slice, and its ep rank's experts."""
+    placement, cuts = rt.compiled.placements[key], []
+    if isinstance(placement.tp, Shard) and rt.tp is not None:
+        cuts.append(TpSlice(placement.tp, rt.tp.rank, rt.tp.degree))
     if isinstance(placement.ep, Shard) and rt.ep is not None:
-        return TpSlice(placement.ep, rt.ep.rank, rt.ep.degree)
-    tp = placement.tp
-    return TpSlice(tp, rt.tp.rank, rt.tp.degree) if isinstance(tp, Shard) and rt.tp is not None else None
+        cuts.append(TpSlice(placement.ep, rt.ep.rank, rt.ep.degree))
+    return tuple(cuts)
 
 
 def _whole(rt: RankRuntime, fqn: str, key: str, tensor: torch.Tensor) -> Region:
@@ -141,7 +142,7 @@ def optimizer_regions(rt: RankRuntime, states: dict[int, dict[str, torch.Tensor]
             for key, offset, shape, lo in covered:
                 fqn = f"optim.{key}.{name}"
                 if value.dim() == 0:
-                    regions.append(Region(fqn, (), value.view(-1), (), 0, 1, None))
+                    regions.append(Region(fqn, (), value.view(-1), (), 0, 1, ()))
                 elif rt.holder.masters is None:
                     regions.append(_whole(rt, fqn, key, value))
                 else:

@@ -69,13 +69,7 @@ class Build:
 
 
 def _expert_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
-    plan = b.plan
-    if plan.tp > 1:
-        raise PlanError(
-            f"ep={plan.ep} with tp={plan.tp} (experts sharded by tensor parallelism) is not built yet; use ep with "
-            f"tp=1, or ep=1"
-        )
-    result = run_pass(passes.expert_parallel.PASS, gm, plan.ep)
+    result = run_pass(passes.expert_parallel.PASS, gm, b.plan.ep)
     b.experts = result.value
     return result
 

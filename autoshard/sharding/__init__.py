@@ -29,6 +29,7 @@ __all__ = [
     "fits_ranks",
     "replicate_all",
     "rule_for",
+    "rule_of",
     "sequence_dim",
 ]
 
@@ -39,6 +40,15 @@ for _family in (pointwise, views, matmul, vocabulary, reductions):
     RULES.update(_family.RULES)
 
 
+def rule_of(op: Any) -> Rule | None:
+    """The rule that decides ``op``: by the op, or by its qualified name for another library's op; None: none."""
+    rule = RULES.get(op)
+    if rule is None:
+        packet = getattr(op, "overloadpacket", None)
+        rule = matmul.NAMED_RULES.get(getattr(packet, "_qualified_op_name", ""))
+    return rule
+
+
 def rule_for(op: Any) -> Rule:
     """The rule that decides ``op`` (every input replicated where none does)."""
-    return RULES.get(op, replicate_all)
+    return rule_of(op) or replicate_all

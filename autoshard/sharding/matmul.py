@@ -13,7 +13,7 @@ from autoshard.ir.meta import BIAS_AFTER_REDUCE, BIAS_SPLIT
 from autoshard.ir.placements import Partial, Placement, Shard
 from autoshard.sharding.rule import Decision, P, R, RuleInput, replicate_all, table
 
-__all__ = ["RULES", "matmul_dims"]
+__all__ = ["NAMED_RULES", "RULES", "matmul_dims"]
 
 aten = torch.ops.aten
 
@@ -102,7 +102,31 @@ def _bmm(ctx: RuleInput) -> Decision:
     return replicate_all(ctx)
 
 
+def _grouped_mm(ctx: RuleInput) -> Decision:
+    """A mixture of experts' grouped matmul: rows x[r, k] sorted by expert, weights w[E, k, n] stacked by expert,
+    offs where each expert's rows end. Every expert's matrix sharded alike: n (column-parallel, each expert's
+    output features split) or k (row-parallel, a partial sum); the experts' own dimension is expert
+    parallelism's (passes/expert_parallel.py), not tp's."""
+    x, w = ctx.node.args[:2]
+    if ctx.ndim(x) != 2 or ctx.ndim(w) != 3:
+        return replicate_all(ctx)
+    px, pw = ctx.p(x), ctx.p(w)
+    want: dict[fx.Node, Placement] = {a: R for a in ctx.tensor_inputs()[2:] if ctx.p(a) != R}  # offs, bias
+    if isinstance(pw, Shard) and pw.dim == 2:  # column-parallel
+        if px != R:
+            want[x] = R
+        return Decision(Shard(1, pw.blocks), want, "column-parallel experts")
+    if pw == Shard(1) and not isinstance(px, Partial) and len(ctx.tensor_inputs()) <= 3:  # row-parallel
+        if px != Shard(1):
+            want[x] = Shard(1)
+        return Decision(P, want, "row-parallel experts")
+    return replicate_all(ctx)
+
+
 RULES = table(
     (_matmul_weight, (aten.linear.default, aten.addmm.default, aten.mm.default)),
     (_bmm, (aten.bmm.default, aten.matmul.default)),
+    (_grouped_mm, (aten._grouped_mm.default,)),
 )
+# Ops of other libraries, by qualified name: transformers' grouped matmul for what _grouped_mm does not take.
+NAMED_RULES = {"transformers::grouped_mm_fallback": _grouped_mm}

@@ -11,7 +11,7 @@ from torch import fx
 
 from autoshard.ir.meta import get_shape
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
-from autoshard.sharding import RULES
+from autoshard.sharding import rule_of
 from autoshard.sharding.rule import Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
 
 __all__ = ["FALLBACK", "Propagation", "Redistribution", "propagate"]
@@ -80,7 +80,7 @@ def propagate(
             out[node] = weights.get(node.target, R)
         elif node.op == "call_function":
             ctx = RuleInput(node, seen, degree, sequence_parallel, example_sizes)
-            rule = RULES.get(node.target)
+            rule = rule_of(node.target)
             decision = rule(ctx) if rule is not None else replicate_all(ctx)
             if sequence_parallel:
                 decision = _on_sequence_shards(ctx, rule, decision)
