@@ -10,6 +10,8 @@ from cases import build_case, compile_case, train_plan, train_single_device, tra
 from checkpoint_cases import load_and_train, train_and_save
 from compiled_cases import train_compiled
 from expert_cases import EP_OPS, exchanges_per_step, explained_load
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_tp import assert_state_close
 
 import autoshard
@@ -44,27 +46,40 @@ def run_ep(ranks, family: str, mesh: dict, plan: dict) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("family", MOE)
-def test_ep2_equals_single_device(ranks, family) -> None:
-    run_ep(ranks, family, {"dp": 4}, {"ep": 2})
-
-
-@pytest.mark.parametrize(
-    "plan",
-    [
+# Every family at ep 2 and the plans that compose with ep on Mixtral: the whole grid with -m slow, a
+# hypothesis-drawn sample of it in every run (ZeRO-3 and gradient accumulation run in every one too).
+GRID = [(family, {"ep": 2}) for family in MOE] + [
+    ("hf:mixtral:causal", plan)
+    for plan in (
         {"ep": 4},
         {"ep": 2, "zero": 1},
         {"ep": 2, "zero": 2},
         {"ep": 2, "zero": 3},
-        {"ep": 4, "zero": 3, "microbatches": 2},
         {"ep": 2, "microbatches": 2},
         {"ep": 2, "recompute": "full"},
         {"ep": 4, "max_grad_norm": 0.05},
-    ],
-    ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()),
-)
-def test_ep_plans_equal_single_device(ranks, plan) -> None:
-    run_ep(ranks, "hf:mixtral:causal", {"dp": 4}, plan)
+    )
+]
+
+
+def _id(case: tuple[str, dict]) -> str:
+    return case[0].removeprefix("hf:").removesuffix(":causal") + "-" + "-".join(f"{k}{v}" for k, v in case[1].items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_ep_grid(ranks, case) -> None:
+    run_ep(ranks, case[0], {"dp": 4}, case[1])
+
+
+@settings(max_examples=2)
+@given(case=st.sampled_from(GRID))
+def test_ep_grid_sample(ranks, case) -> None:
+    run_ep(ranks, case[0], {"dp": 4}, case[1])
+
+
+def test_ep4_with_zero3_and_accumulation(ranks) -> None:
+    run_ep(ranks, "hf:mixtral:causal", {"dp": 4}, {"ep": 4, "zero": 3, "microbatches": 2})
 
 
 def test_ep_with_pipeline(ranks) -> None:
@@ -150,8 +165,8 @@ def test_explain_and_metrics_show_the_experts(ranks) -> None:
 
 @pytest.mark.parametrize(
     ("mesh", "plan"),
-    [({"dp": 2, "tp": 2}, {}), ({"dp": 4, "tp": 2}, {"ep": 2, "zero": 1})],
-    ids=["dp2-tp2", "dp4-ep2-tp2-zero1"],
+    [({"dp": 2, "tp": 2}, {}), ({"dp": 2, "tp": 2}, {"ep": 2, "zero": 1})],
+    ids=["dp2-tp2", "dp2-ep2-tp2-zero1"],
 )
 def test_experts_under_tensor_parallelism(ranks, mesh, plan) -> None:
     """Each expert's gate/up projection column-sharded (strided: each rank its gate and up halves) and its down
