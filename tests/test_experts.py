@@ -173,3 +173,8 @@ def test_experts_under_tensor_parallelism(ranks, mesh, plan) -> None:
     projection row-sharded, as Megatron shards an MLP; with ep, each rank's own experts so."""
     results = run_ep(ranks, "hf:mixtral:causal", mesh, plan)
     assert results[0]["state"]  # consolidated from tp and ep shards alike
+
+
+def test_clipping_counts_each_expert_once(ranks) -> None:
+    """The global norm sums each expert's gradient once: on the first dp / ep replica of every ep rank."""
+    run_ep(ranks, "hf:mixtral:causal", {"dp": 4}, {"ep": 2, "max_grad_norm": 0.05})
