@@ -760,21 +760,28 @@ MUTANTS: list[dict] = [
     {
         "name": "102_expert_grads_reduced_over_all_dp",
         "file": "autoshard/runtime/holders.py",
-        "why": "data parallelism all-reduces an expert's gradient over every dp rank, summing different experts' gradients",
+        "why": (
+            "data parallelism all-reduces an expert's gradient over every dp rank, summing different experts' gradients"
+        ),
         "tests": ["tests/test_experts.py"],
         "k": "torch_compile",
     },
     {
         "name": "103_expert_grads_divided_by_their_replicas",
         "file": "autoshard/runtime/holders.py",
-        "why": "ZeRO divides an expert's gradient by the dp / ep ranks holding it, not by dp (the mean over the global batch)",
+        "why": (
+            "ZeRO divides an expert's gradient by the dp / ep ranks holding it, not by dp (the mean over the "
+            "global batch)"
+        ),
         "tests": ["tests/test_experts.py"],
         "k": "tensor_parallelism and ep2",
     },
     {
         "name": "104_dispatch_keeps_rows_by_source",
         "file": "autoshard/graph_ops/experts.py",
-        "why": "dispatched rows stay ordered by source rank, so the grouped matmuls' offs point into other experts' rows",
+        "why": (
+            "dispatched rows stay ordered by source rank, so the grouped matmuls' offs point into other experts' rows"
+        ),
         "tests": ["tests/test_experts.py"],
         "k": "zero3_and_accumulation",
     },
