@@ -1,10 +1,12 @@
 """The planner against reality: predicted and measured step time and peak memory of 4 gloo ranks, after
 ``Hardware.measure()`` calibrated those ranks; and the planning time of Llama-2-70B for 1024 ranks.
 
-    python bench/planner.py              # measured vs predicted table, then the 70B planning time
+    python bench/planner.py              # measured vs predicted tables (GPT, MoE), then the 70B planning time
     python bench/planner.py --only measured
+    python bench/planner.py --only experts   # the same for a Mixtral-shaped MoE under expert parallelism
 
-Every plan trains the same GPT (autoshard.demo.TinyGPT) on the same global batch; each is compiled with
+Every plan trains the same GPT (autoshard.demo.TinyGPT) on the same global batch (``--only experts``: a
+Hugging Face Mixtral of 8 experts, top-2, under dp=4 with its experts split ep=1, 2 or 4); each is compiled with
 the measured Hardware, so ``program.plan_report.chosen`` is the cost model's prediction for exactly that
 plan. Measured: the fastest of warm steps (all ranks in step, the plans in turn); peak memory: the tensors the
 rank holds before a step (parameters, gradients, optimizer state, masters) plus the profiler's allocation peak
@@ -18,9 +20,11 @@ measured steps, to replay the predictions offline).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,18 @@ PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
     ("pp4 zb_h2", {"pp": 4}, {"schedule": "zb_h2", "microbatches": 8}),
     ("dp2 x pp2 zbv", {"dp": 2, "pp": 2}, {"schedule": "zbv", "virtual_stages": 2, "microbatches": 4}),
 ]
+# A Mixtral-shaped mixture of experts (Hugging Face's MixtralForCausalLM), its experts split over ep of the
+# 4 dp ranks.
+MOE = {
+    "hidden": 256, "intermediate": 512, "experts": 8, "top_k": 2, "layers": 2, "heads": 4, "kv_heads": 2,
+    "vocab": 2048, "seq": 128, "batch": 16,
+}  # fmt: skip
+EP_PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
+    ("dp4 ep1", {"dp": 4}, {"ep": 1}),  # ep fixed: left free, the search would pick ep=4 for this MoE
+    ("dp4 ep2", {"dp": 4}, {"ep": 2}),
+    ("dp4 ep4", {"dp": 4}, {"ep": 4}),
+    ("dp4 ep2 zero1", {"dp": 4}, {"ep": 2, "zero": 1}),
+]
 
 
 # Rounds before which the ranks calibrate again (compile used the first calibration, made before them).
@@ -64,26 +80,84 @@ def _model() -> TinyGPT:
     return TinyGPT(CFG["vocab"], CFG["dim"], CFG["heads"], CFG["layers"], CFG["seq"])
 
 
+def _gpt_batch() -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
+    ids, target = _batch()
+    return (ids,), {}, target
+
+
+def _moe_model() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(
+        hidden_size=MOE["hidden"], intermediate_size=MOE["intermediate"], num_hidden_layers=MOE["layers"],
+        num_attention_heads=MOE["heads"], num_key_value_heads=MOE["kv_heads"], num_local_experts=MOE["experts"],
+        num_experts_per_tok=MOE["top_k"], vocab_size=MOE["vocab"], max_position_embeddings=MOE["seq"],
+        router_jitter_noise=0.0, output_router_logits=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config)
+
+
+def _moe_batch() -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
+    """Token ids, the model's own loss on them (``labels``, shifted inside), no target."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, MOE["vocab"], (MOE["batch"], MOE["seq"]), generator=gen)
+    return (ids,), {"labels": ids, "use_cache": False}, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model the plans train: its factory, the global batch (inputs, kwargs, target: every plan trains on it
+    and the planner predicts for it), the loss (None: the model's own output), and the plans."""
+
+    model: Callable[[], torch.nn.Module]
+    batch: Callable[[], tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]]
+    loss_fn: Callable[..., torch.Tensor] | None
+    plans: list[tuple[str, dict[str, int], dict[str, Any]]]
+
+
+WORKLOADS = {
+    "gpt": Workload(_model, _gpt_batch, next_token_loss, PLANS),
+    "experts": Workload(_moe_model, _moe_batch, None, EP_PLANS),
+}
+
+
 def _held(program: Any) -> int:
     """Bytes the program holds between steps (parameters, gradients, optimizer state and masters)."""
     return sum(program.last_step_memory.values())
 
 
-def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
+def _local(program: Any, batch: tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]) -> dict[str, Any]:
+    """This rank's share of the global batch, as ``program.step``'s arguments (tensors only)."""
+    inputs, kwargs, target = batch
+    return {
+        "inputs": tuple(program.local_batch(x) for x in inputs),
+        "kwargs": {k: program.local_batch(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
+        "target": None if target is None else program.local_batch(target),
+    }
+
+
+def _step(program: Any, local: dict[str, Any]) -> float:
+    return program.step(*local["inputs"], target=local["target"], **local["kwargs"])
+
+
+def _measure_rank(rank: int, world: int, steps: int, workload: str = "gpt") -> list[dict[str, Any]]:
     torch.manual_seed(0)
+    work = WORKLOADS[workload]
     hardware = autoshard.Hardware.measure()
-    ids, target = _batch()
+    batch = work.batch()
     runs = []
-    for name, mesh, plan in PLANS:
-        model = _model()
+    for name, mesh, plan in work.plans:
+        model = work.model()
         program = autoshard.compile(
-            model, autoshard.Mesh(**mesh), (ids,), loss_fn=next_token_loss, example_target=target,
+            model, autoshard.Mesh(**mesh), batch[0], batch[1], loss_fn=work.loss_fn, example_target=batch[2],
             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan, hardware=hardware,
         )  # fmt: skip
-        x, y = program.local_batch(ids), program.local_batch(target)
+        local = _local(program, batch)
         for _ in range(2):
-            program.step(x, target=y)
-        runs.append((name, program, x, y))
+            _step(program, local)
+        runs.append((name, program, local))
     # One step of each plan in turn, ``steps`` rounds, and the fastest of each plan's: whatever else the
     # machine does only ever adds to a step (Hardware.measure() times the same way), and its drift over the
     # minutes this takes falls on every plan alike instead of on the plans measured at that moment.
@@ -95,17 +169,17 @@ def _measure_rank(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
             calibrations.append(autoshard.Hardware.measure())
         for k in range(len(runs)):  # each round starts at another plan: none is always first after a calibration
             i = (round_ + k) % len(runs)
-            _, program, x, y = runs[i]
+            _, program, local = runs[i]
             torch.distributed.barrier()
             start = time.perf_counter()
-            program.step(x, target=y)
+            _step(program, local)
             times[i].append(time.perf_counter() - start)
             stats = program.pipeline_stats
             idle[i].append(0.0 if stats is None else stats.step_seconds - stats.busy_seconds)
     rows = []
-    for (name, program, x, y), seconds, waited, (_, mesh, _) in zip(runs, times, idle, PLANS):
+    for (name, program, local), seconds, waited, (_, mesh, _) in zip(runs, times, idle, work.plans):
         held = _held(program)
-        peak = held + _peak_allocated(lambda p=program, x=x, y=y: p.step(x, target=y))
+        peak = held + _peak_allocated(lambda p=program, local=local: _step(p, local))
         chosen = program.plan_report.chosen
         rows.append({
             "name": name, "plan": str(program.plan), "predicted": chosen.step_time,
@@ -130,21 +204,23 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware) -> list[Any]:
+def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware, workload: str = "gpt") -> list[Any]:
     """Each row's plan as the planner predicts it with ``hardware`` (offline: the same model and batch)."""
-    ids, target = _batch()
+    work = WORKLOADS[workload]
+    inputs, kwargs, target = work.batch()
     out = []
     for row in rows:
-        model = _model()
-        fixed = autoshard.plan(model, autoshard.Mesh(**row["mesh"]), (ids,), loss_fn=next_token_loss,
+        model = work.model()
+        fixed = autoshard.plan(model, autoshard.Mesh(**row["mesh"]), inputs, kwargs, loss_fn=work.loss_fn,
                                example_target=target, hardware=hardware, plan=row["fixed"])  # fmt: skip
         out.append(fixed.chosen)
     return out
 
 
-def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
+def _compare(workload: str, steps: int) -> dict[str, Any]:
+    """Measure ``workload``'s plans on 4 gloo ranks, predict them with each calibration, print the tables."""
     with LocalRanks(4) as pool:
-        per_rank = pool.run(_measure_rank, steps)
+        per_rank = pool.run(_measure_rank, steps, workload)
     rows = []
     for i, row in enumerate(per_rank[0]):
         row = dict(row)
@@ -161,13 +237,16 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
     # several times amid the rounds, and the predictions are those of the calibration that saw the machine
     # fastest (the smallest predicted total: chosen without looking at the measured steps).
     calibrations = [autoshard.Hardware.from_json(text) for text in rows[0]["calibrations"]]
-    predicted = [_predictions(rows, hardware) for hardware in calibrations]
+    predicted = [_predictions(rows, hardware, workload) for hardware in calibrations]
     for row, again in zip(rows, predicted[0]):  # offline, the first calibration predicts what compile did
         assert abs(again.step_time / row["predicted"] - 1) < 1e-9, (row["name"], again.step_time, row["predicted"])
     fastest = min(range(len(calibrations)), key=lambda i: sum(c.step_time for c in predicted[i]))
     if os.environ.get("PLANNER_RUN_JSON"):  # every calibration and measurement, to replay the predictions offline
         keep = [{**r, "fixed": str(r["fixed"])} for r in rows]
-        Path(os.environ["PLANNER_RUN_JSON"]).write_text(json.dumps(keep, indent=1))
+        path = Path(os.environ["PLANNER_RUN_JSON"])
+        if workload != "gpt":  # each workload its own file: run.json, run.experts.json
+            path = path.with_name(f"{path.stem}.{workload}{path.suffix}")
+        path.write_text(json.dumps(keep, indent=1))
     measured = [r["measured"] for r in rows]
     print(f"\n{len(calibrations)} calibrations (before the rounds, and before rounds {CALIBRATE_BEFORE}):")
     for i, again in enumerate(predicted):
@@ -187,11 +266,12 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
             f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | {t_err:+.0%} | "
             f"{r['predicted_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | {m_err:+.0%} |"
         )
-    print(f"\n| pipeline | predicted bubble ms | measured idle ms (least idle rank) | error |\n|{'---|' * 4}")
-    for r in rows:
-        if "pp" in r["mesh"]:
-            print(f"| {r['name']} | {r['bubble'] * 1e3:.1f} | {r['idle'] * 1e3:.1f} | "
-                  f"{r['bubble'] / max(r['idle'], 1e-9) - 1:+.0%} |")  # fmt: skip
+    pipelines = [r for r in rows if "pp" in r["mesh"]]
+    if pipelines:
+        print(f"\n| pipeline | predicted bubble ms | measured idle ms (least idle rank) | error |\n|{'---|' * 4}")
+    for r in pipelines:
+        print(f"| {r['name']} | {r['bubble'] * 1e3:.1f} | {r['idle'] * 1e3:.1f} | "
+              f"{r['bubble'] / max(r['idle'], 1e-9) - 1:+.0%} |")  # fmt: skip
     for r in rows:
         print(f"  {r['name']}: predicted {r['time']}")
     print(f"  hardware (calibration {fastest}): {rows[0]['hardware']}")
@@ -199,12 +279,29 @@ def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
     worst_time = max(abs(r["predicted"] / r["measured"] - 1) for r in rows)
     worst_bytes = max(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) for r in rows)
     print(f"\nSpearman {rho:.3f}; worst step-time error {worst_time:.0%}; worst peak-memory error {worst_bytes:.0%}")
+    return {"rows": rows, "spearman": rho, "worst_time": worst_time, "worst_bytes": worst_bytes}
+
+
+def bench_measured(report: Any = None, steps: int = 20) -> dict[str, Any]:
+    """The GPT's plans (dp, ZeRO, recomputation, tp, pipelines) predicted against measured."""
+    result = _compare("gpt", steps)
+    rows, rho, worst_time, worst_bytes = (result[k] for k in ("rows", "spearman", "worst_time", "worst_bytes"))
     if report is not None:
         report(f"planner: predicted vs measured step time, {len(rows)} plans on 4 gloo ranks (Spearman)",
                f"{rho:.3f}", "1.0 (same order)", rho, ">= 0.8")  # fmt: skip
         report("planner: worst step-time error", f"{worst_time:.0%}", "measured", worst_time, "<= 0.25")
         report("planner: worst peak-memory error", f"{worst_bytes:.0%}", "profiler peak", worst_bytes, "<= 0.15")
-    return {"rows": rows, "spearman": rho, "worst_time": worst_time, "worst_bytes": worst_bytes}
+    return result
+
+
+def bench_experts(report: Any = None, steps: int = 20) -> dict[str, Any]:
+    """The Mixtral-shaped MoE's plans (dp, expert parallelism ep=2 and 4, with ZeRO-1) predicted against measured."""
+    result = _compare("experts", steps)
+    if report is not None:
+        worst = result["worst_time"]
+        report(f"planner: worst step-time error of the ep plans, {len(result['rows'])} plans of a Mixtral-shaped "
+               f"MoE on 4 gloo ranks", f"{worst:.0%}", "measured", worst, "<= 0.25")  # fmt: skip
+    return result
 
 
 def bench_plan_70b(report: Any = None) -> float:
@@ -289,7 +386,10 @@ def bench_published(report: Any = None) -> list[dict[str, Any]]:
     return rows
 
 
-BENCHMARKS = {"measured": bench_measured, "published": bench_published, "plan_70b": bench_plan_70b}
+BENCHMARKS = {
+    "measured": bench_measured, "experts": bench_experts, "published": bench_published,
+    "plan_70b": bench_plan_70b,
+}  # fmt: skip
 
 
 def main() -> None:

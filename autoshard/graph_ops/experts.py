@@ -29,7 +29,7 @@ from torch import nn
 from autoshard.errors import DistributedError
 from autoshard.graph_ops.graph_break import stays_eager
 
-__all__ = ["UnboundExpertParallel", "combine", "dispatch"]
+__all__ = ["UnboundExpertParallel", "combine", "dispatch", "on_native_kernel"]
 
 
 class UnboundExpertParallel(nn.Module):
@@ -81,26 +81,21 @@ def _from_experts(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.
     return ep.exchange(by_source, receive.sum(1).tolist(), send.sum(1).tolist(), op)
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, ep: UnboundExpertParallel, routing: torch.Tensor) -> torch.Tensor:
-        ctx.ep, ctx.routing = ep, routing
-        return _to_experts(ep, rows, routing, "ep_dispatch")
+class _Exchange(torch.autograd.Function):
+    """Rows to their experts' ranks (``to_experts``) or back to where they came from; its backward is the
+    other direction, counted under ``op`` + ``_grad``."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _from_experts(ctx.ep, grad, ctx.routing, "ep_dispatch_grad"), None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, ep: UnboundExpertParallel, routing: torch.Tensor) -> torch.Tensor:
-        ctx.ep, ctx.routing = ep, routing
-        return _from_experts(ep, rows, routing, "ep_combine")
+    def forward(
+        ctx: Any, rows: torch.Tensor, ep: UnboundExpertParallel, routing: torch.Tensor, to_experts: bool, op: str
+    ) -> torch.Tensor:
+        ctx.ep, ctx.routing, ctx.to_experts, ctx.op = ep, routing, to_experts, op
+        return (_to_experts if to_experts else _from_experts)(ep, rows, routing, op)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _to_experts(ctx.ep, grad, ctx.routing, "ep_combine_grad"), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        back = _from_experts if ctx.to_experts else _to_experts
+        return back(ctx.ep, grad, ctx.routing, ctx.op + "_grad"), None, None, None, None
 
 
 @stays_eager
@@ -112,10 +107,37 @@ def dispatch(
     counts = torch.cat([ends[:1], ends[1:] - ends[:-1]])
     routing = ep.route(counts, layer)
     local_offs = routing[1].sum(0).cumsum(0).to(device=offs.device, dtype=offs.dtype)
-    return _Dispatch.apply(rows, ep, routing), local_offs, routing
+    return _Exchange.apply(rows, ep, routing, True, "ep_dispatch"), local_offs, routing
 
 
 @stays_eager
 def combine(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
     """The local experts' output rows back where ``dispatch`` took them from, in their order."""
-    return _Combine.apply(rows, ep, routing)
+    return _Exchange.apply(rows, ep, routing, False, "ep_combine")
+
+
+def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' fallback grouped matmul on torch's own kernel where that takes the operands (on the CPU:
+    float32 or bfloat16, rows and strides in whole 16-byte lines); the fallback (a matmul an expert, and a
+    backward that writes each weight's gradient in the weight's transposed layout) elsewhere."""
+    aligned = all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1)
+        for t in (x, w)
+    )
+    if x.device.type == "cpu" and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16) and aligned:
+        return torch._grouped_mm(x, w, offs)
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+def on_native_kernel(gm: torch.fx.GraphModule) -> int:
+    """An eager rank graph's calls of transformers' fallback grouped matmul, where torch's kernel can take
+    them (torch.export traced the fallback: torch's meta kernel takes only bfloat16); how many."""
+    swapped = 0
+    for node in gm.graph.nodes:
+        op = getattr(node.target, "overloadpacket", None)
+        if node.op == "call_function" and getattr(op, "_qualified_op_name", "") == "transformers::grouped_mm_fallback":
+            node.target = _native_grouped_mm
+            swapped += 1
+    if swapped:
+        gm.recompile()
+    return swapped

@@ -33,6 +33,7 @@ from autoshard.distributed.comm import CommCounter
 from autoshard.distributed.groups import expert_groups, make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
+from autoshard.graph_ops.experts import on_native_kernel
 from autoshard.graph_ops.masks import SingleDeviceMasks
 from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
@@ -159,6 +160,8 @@ class RankRuntime:
         self.channel = PipelineChannel() if self.schedule else None
         for gm in self.graphs.values():
             self.bind(gm)
+            if compiled.torch_compile is None:  # dynamo traces the fallback; eagerly torch's kernel is faster
+                on_native_kernel(gm)
         self.optimizer = self._make_optimizer(factory) if factory is not None else None
         # 7. torch.compile: each graph compiled (on its first call), else the graphs themselves
         self.compiler = rank_compiler(self) if compiled.torch_compile is not None else None

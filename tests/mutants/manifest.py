@@ -783,7 +783,7 @@ MUTANTS: list[dict] = [
             "dispatched rows stay ordered by source rank, so the grouped matmuls' offs point into other experts' rows"
         ),
         "tests": ["tests/test_experts.py"],
-        "k": "zero3_and_accumulation",
+        "k": "clipping",
     },
     {
         "name": "105_expert_norm_counted_on_one_rank",
