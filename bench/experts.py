@@ -33,14 +33,16 @@ MOE = {
 }  # fmt: skip
 
 
-def _mixtral(cfg: dict[str, int]) -> nn.Module:
+def mixtral(cfg: dict[str, int]) -> nn.Module:
+    """A Mixtral of ``cfg``'s sizes (also bench/planner.py's MoE workload), seeded."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     config = transformers.MixtralConfig(
         hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"], num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"], num_local_experts=cfg["experts"],
-        num_experts_per_tok=cfg["top_k"], vocab_size=cfg["vocab"], max_position_embeddings=cfg["seq"],
+        num_attention_heads=cfg["heads"], num_key_value_heads=cfg.get("kv_heads", cfg["heads"]),
+        num_local_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"], vocab_size=cfg["vocab"],
+        max_position_embeddings=cfg["seq"],
         router_jitter_noise=0.0, output_router_logits=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -156,10 +158,10 @@ def _rank(rank: int, world_size: int, cfg: dict[str, int], steps: int, rounds: i
     programs = {}
     for ep in (4, 1):
         programs[ep] = autoshard.compile(
-            _mixtral(cfg), autoshard.Mesh(dp=world_size), example_inputs=(example,),
+            mixtral(cfg), autoshard.Mesh(dp=world_size), example_inputs=(example,),
             example_kwargs={"labels": example, "use_cache": False}, loss_fn=None, optimizer=_adamw, plan={"ep": ep},
         )  # fmt: skip
-    _, _, their_step = _hand_written(_mixtral(cfg), world_size)
+    _, _, their_step = _hand_written(mixtral(cfg), world_size)
 
     def ours(ep: int) -> Callable[[torch.Tensor], float]:
         return lambda ids: programs[ep].step(ids, labels=ids)
@@ -201,7 +203,7 @@ def bench_experts(report: Callable[..., None], ranks: int = 4, steps: int = 3, r
     cfg = MOE
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank, cfg, steps, rounds)
-    model = _mixtral(cfg)
+    model = mixtral(cfg)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     described = (

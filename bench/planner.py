@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from experts import mixtral
 from run import _peak_allocated  # the CPU analog of torch.cuda.max_memory_allocated, as the ZeRO benchmarks use
 
 import autoshard
@@ -86,17 +87,7 @@ def _gpt_batch() -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
 
 
 def _moe_model() -> torch.nn.Module:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    config = transformers.MixtralConfig(
-        hidden_size=MOE["hidden"], intermediate_size=MOE["intermediate"], num_hidden_layers=MOE["layers"],
-        num_attention_heads=MOE["heads"], num_key_value_heads=MOE["kv_heads"], num_local_experts=MOE["experts"],
-        num_experts_per_tok=MOE["top_k"], vocab_size=MOE["vocab"], max_position_embeddings=MOE["seq"],
-        router_jitter_noise=0.0, output_router_logits=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(config)
+    return mixtral(MOE)
 
 
 def _moe_batch() -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
