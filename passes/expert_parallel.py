@@ -44,7 +44,7 @@ aten = torch.ops.aten
 # transformers' op is keyed by name: importing transformers is not this pass's business.
 GROUPED_MATMULS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 # Ops a weight passes through on its way to a grouped matmul, as long as dim 0 (the experts) stays first.
-WEIGHT_VIEWS = {aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.t}
+WEIGHT_VIEWS = {aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias}
 SPLITS = {aten.chunk, aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_chunk}
 CHECKS = {aten._assert_tensor_metadata}
 
@@ -198,9 +198,10 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
     _mark(combine, get_shape(layer.last), str(layer.last.meta.get(LAYER, name)), record)
     for user in outside:
         user.replace_input_with(layer.last, combine)
-    for node in [*layer.weights, *layer.chains]:
-        node.meta[SHAPE] = NodeShape(tensors=(_local(get_shape(node).tensor, ep),))
-        node.meta[EXPERT] = record
+    for node in dict.fromkeys([*layer.weights, *layer.chains]):
+        if EXPERT not in node.meta:  # a weight two layers read (tied experts) is split once
+            node.meta[SHAPE] = NodeShape(tensors=(_local(get_shape(node).tensor, ep),))
+            node.meta[EXPERT] = record
 
 
 def run(gm: fx.GraphModule, ep: int) -> PassResult:
