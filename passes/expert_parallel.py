@@ -206,6 +206,14 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
 
 def run(gm: fx.GraphModule, ep: int) -> PassResult:
     layers = find_layers(gm)
+    loop = [n for n in gm.graph.nodes if n.target in (aten.nonzero.default, aten.where.default) and len(n.args) == 1]
+    if not layers and loop:
+        raise PlanError(
+            f"ep={ep} splits experts stacked in one weight, and this model routes its tokens in a loop over the "
+            f"experts ({loop[0].name}: the rows of one expert, read from the data); stack each expert projection's "
+            f"weights into one [E, in, out] parameter and run them with torch._grouped_mm (as transformers' "
+            f"experts_implementation='grouped_mm' does), or use ep=1"
+        )
     if not layers:
         raise PlanError(
             f"ep={ep} splits the experts of mixture-of-experts layers, and this model has none that autoshard "

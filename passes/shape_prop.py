@@ -4,8 +4,11 @@ Reads:  node.meta["val"] (the FakeTensor / SymInt values torch.export records on
 Writes: autoshard.shape (meta.NodeShape) on every node but the output
 
 torch.export names its symbols after their sources (``s72``); ``rename`` maps them to the names
-people read (``B``, ``S``). A tensor requires grad when it is a trainable parameter or is computed
-from one; this decides which backward work the cost model counts.
+people read (``B``, ``S``). A size read from the data (``nonzero`` of ``ids == e``: the tokens a loop over
+experts routes to expert ``e``) is given its expectation, the mask's elements over the experts compared
+against the same ids (balanced routing); the PassResult says so, and the planner sizes such a model by
+it. A tensor requires grad when it is a trainable parameter or is computed from one; this decides which
+backward work the cost model counts.
 """
 
 from __future__ import annotations
@@ -44,9 +47,34 @@ def _param_requires_grad(gm: fx.GraphModule, target: str) -> bool:
         return False  # a buffer or constant
 
 
+_NONZERO = (torch.ops.aten.nonzero.default, torch.ops.aten.where.default)
+
+
+def _expected(node: fx.Node, val: object, rename: dict[sympy.Symbol, sympy.Expr]) -> dict[sympy.Symbol, sympy.Expr]:
+    """The expected value of each size ``node`` reads from the data, where it is the count of one of several
+    equality masks over the same tensor (``nonzero(ids == e)``, e = 0..E-1): numel(ids) / E. {} otherwise."""
+    if node.target not in _NONZERO or len(node.args) != 1 or not isinstance(node.args[0], fx.Node):
+        return {}
+    mask = node.args[0]
+    if mask.target is not torch.ops.aten.eq.Scalar or not isinstance(mask.args[0], fx.Node):
+        return {}
+    ids = mask.args[0]
+    parts = {u.args[1] for u in ids.users if u.target is torch.ops.aten.eq.Scalar}
+    numel = get_shape(ids).tensor.numel
+    out = {}
+    for leaf in pytree.tree_leaves(val):
+        for size in leaf.shape if isinstance(leaf, torch.Tensor) else ():
+            if isinstance(size, torch.SymInt):
+                symbol = sympy.sympify(size.node.expr)
+                if isinstance(symbol, sympy.Symbol) and symbol not in rename:
+                    out[symbol] = numel / len(parts)
+    return out
+
+
 def run(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> PassResult:
     rename = dict(rename or {})
     symbols: set[str] = set()
+    estimated: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -56,6 +84,9 @@ def run(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None =
                 f"records; capture the model with autoshard.capture first"
             )
         val = node.meta["val"]
+        for symbol, value in _expected(node, val, rename).items():
+            rename[symbol] = value
+            estimated.append(f"{symbol} ~ {value}")
         if node.op == "get_attr":
             grad_in = _param_requires_grad(gm, node.target)
         elif node.op == "placeholder":
@@ -81,7 +112,10 @@ def run(gm: fx.GraphModule, rename: Mapping[sympy.Symbol, sympy.Symbol] | None =
             if t is not None:
                 symbols.update(str(s) for size in t.sizes for s in size.free_symbols)
         node.meta[SHAPE] = shape
-    return PassResult("shape_prop", False, f"shapes in symbols {sorted(symbols) or 'none (all static)'}")
+    line = f"shapes in symbols {sorted(symbols) or 'none (all static)'}"
+    if estimated:
+        line += f"; sizes read from the data taken at their expectation (balanced routing): {', '.join(estimated)}"
+    return PassResult("shape_prop", False, line)
 
 
 PASS = Pass("shape_prop", reads=(Need("val"),), writes=(Need(SHAPE),), run=run)

@@ -79,10 +79,10 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
 
     transformers.logging.set_verbosity_error()
     layers = shape.get("layers", 2)
-    if family in ("moe", "moe_mixing_rows"):  # hand-written experts over torch._grouped_mm
+    if family in ("moe", "moe_mixing_rows", "moe_loop"):  # hand-written experts: torch._grouped_mm, or a loop
         from expert_cases import GroupedMoELM
 
-        return GroupedMoELM(VOCAB, layers, mix_rows=family == "moe_mixing_rows")
+        return GroupedMoELM(VOCAB, layers, mix_rows=family == "moe_mixing_rows", loop=family == "moe_loop")
     if family.startswith("hf:"):  # any family of tests/hf_families.py, e.g. "hf:qwen2:causal"
         import hf_families
 

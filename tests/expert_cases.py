@@ -56,13 +56,20 @@ class GroupedMoE(nn.Module):
 
 
 class GroupedMoELM(nn.Module):
-    """A small language model whose blocks are a norm and a GroupedMoE with a residual."""
+    """A small language model whose blocks are a norm and a GroupedMoE (``loop``: a LoopMoE) with a residual."""
 
-    def __init__(self, vocab: int, layers: int = 2, hidden: int = 32, mix_rows: bool = False) -> None:
+    def __init__(
+        self, vocab: int, layers: int = 2, hidden: int = 32, mix_rows: bool = False, loop: bool = False
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
-        self.moes = nn.ModuleList(GroupedMoE(hidden, 2 * hidden, 4, 2, mix_rows) for _ in range(layers))
+        moe = (
+            (lambda: LoopMoE(hidden, 2 * hidden, 4, 2))
+            if loop
+            else (lambda: GroupedMoE(hidden, 2 * hidden, 4, 2, mix_rows))
+        )
+        self.moes = nn.ModuleList(moe() for _ in range(layers))
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
@@ -82,3 +89,25 @@ def explained_load(rank: int, world_size: int, family: str, mesh: dict[str, int]
     program = compile_case(case, autoshard.Mesh(**mesh), plan=plan)
     train_local_batches(program, case, [], None)
     return {"explain": program.explain(), "load": program.metrics.expert_load, "line": program.metrics.line()}
+
+
+class LoopMoE(nn.Module):
+    """Experts as older and hand-written models run them: a Python loop over the experts, each taking the
+    tokens routed to it (``where(ids == e)``) and adding its weighted output back with ``index_add``."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, inter), nn.SiLU(), nn.Linear(inter, hidden)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat).softmax(-1).topk(self.top_k)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view_as(x)

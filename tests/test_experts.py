@@ -137,8 +137,9 @@ def test_hand_written_grouped_mm_moe(ranks) -> None:
         ("hf:mixtral:causal", {"dp": 8}, {"ep": 8}, "does not divide the 4 experts"),
         ("hf:mixtral:causal", {"dp": 6}, {"ep": 4}, "must divide dp=6"),
         ("moe_mixing_rows", {"dp": 4}, {"ep": 2, "zero": 1, "param_dtype": torch.bfloat16}, "not computed row by row"),
+        ("moe_loop", {"dp": 4}, {"ep": 2}, "routes its tokens in a loop over the experts"),
     ],
-    ids=["dense", "experts", "dp", "mixing"],
+    ids=["dense", "experts", "dp", "mixing", "loop"],
 )
 def test_ep_refusals(family, mesh, plan, words) -> None:
     """What ep cannot split is refused at compile, before any rank works, with the reason."""
@@ -192,3 +193,10 @@ def test_clipping_counts_each_expert_once(ranks) -> None:
     assert results[0]["grad_norms"] == pytest.approx(norms, rel=1e-5)
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert_state_close(results[0]["state"], ref_state)
+
+
+@pytest.mark.parametrize(("mesh", "plan"), [({"dp": 4}, {}), ({"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2})])
+def test_a_loop_over_experts_trains_data_parallel(ranks, mesh, plan) -> None:
+    """Experts in a Python loop (rows read from the data): planned at balanced routing, trained as one device
+    trains them; ep refuses it with the way to a stacked weight (test_ep_refusals)."""
+    run_ep(ranks, "moe_loop", mesh, plan)
