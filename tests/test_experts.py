@@ -173,8 +173,13 @@ def test_explain_and_metrics_show_the_experts(ranks) -> None:
 
 @pytest.mark.parametrize(
     ("mesh", "plan"),
-    [({"dp": 2, "tp": 2}, {}), ({"dp": 2, "tp": 2}, {"ep": 2, "zero": 1})],
-    ids=["dp2-tp2", "dp2-ep2-tp2-zero1"],
+    [
+        ({"dp": 2, "tp": 2}, {}),
+        ({"dp": 2, "tp": 2}, {"ep": 2, "zero": 1}),
+        ({"dp": 2, "tp": 2}, {"ep": 2, "sequence_parallel": True}),
+        ({"tp": 2, "pp": 2}, {"microbatches": 2}),
+    ],
+    ids=["dp2-tp2", "dp2-ep2-tp2-zero1", "dp2-ep2-tp2-sp", "tp2-pp2"],
 )
 def test_experts_under_tensor_parallelism(ranks, mesh, plan) -> None:
     """Each expert's gate/up projection column-sharded (strided: each rank its gate and up halves) and its down
