@@ -1,10 +1,10 @@
 """Expert parallelism: each mixture-of-experts layer's experts split over the ep ranks, tokens sent to them.
 
 Reads:  autoshard.shape, autoshard.layer
-Writes: autoshard.expert (meta.ExpertLayer) on each split layer's expert weights (get_attr) and on the
-        nodes it inserts; updates autoshard.shape of the expert weights to the rank's E / ep experts (so
-        gradient buckets size them); autoshard.shape, autoshard.layer and autoshard.cost (no FLOPs) on the
-        nodes it inserts
+Writes: autoshard.expert (meta.ExpertLayer) on each split layer's expert weights (get_attr), on its expert
+        region (values of the rows routed to this rank's experts) and on the nodes it inserts; updates
+        autoshard.shape of the expert weights to the rank's E / ep experts (so gradient buckets size them);
+        autoshard.shape, autoshard.layer and autoshard.cost (no FLOPs) on the nodes it inserts
 
 An MoE layer is found by its grouped matmuls: calls of ``aten._grouped_mm`` (or the fallback op that
 transformers registers) that take rows sorted by expert, weights stacked along a first dimension of E
@@ -189,6 +189,7 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
     for part, shape in zip(parts, (rows.tensor, local_offs, routing)):
         _mark(part, NodeShape(tensors=(shape,)), name, record)
     for node in layer.region:
+        node.meta[EXPERT] = record  # its rows are those routed to this rank's experts, from every ep rank
         node.replace_input_with(layer.rows, parts[0])
         if is_grouped_mm(node):
             node.replace_input_with(layer.offs, parts[1])
