@@ -13,6 +13,7 @@ from torch import fx
 
 from . import (
     autocast_asserts,
+    batch_statistics,
     cost_model,
     dropout_masks,
     expert_parallel,
@@ -42,6 +43,7 @@ __all__ = [
     "PassResult",
     "analyze",
     "autocast_asserts",
+    "batch_statistics",
     "check_graph",
     "cost_model",
     "dropout_masks",
@@ -68,6 +70,7 @@ ALL = (
     *ANALYSES,
     autocast_asserts.PASS,
     expert_parallel.PASS,
+    batch_statistics.PASS,
     tp_placement.PASS,
     tp_rewrite.PASS,
     dropout_masks.PASS,

@@ -83,6 +83,14 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
         from expert_cases import GroupedMoELM
 
         return GroupedMoELM(VOCAB, layers, mix_rows=family == "moe_mixing_rows", loop=family == "moe_loop")
+    if family == "mixtral_aux":  # a router load-balancing loss in the training loss
+        cfg = transformers.MixtralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+            max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return transformers.MixtralForCausalLM(cfg)
     if family.startswith("hf:"):  # any family of tests/hf_families.py, e.g. "hf:qwen2:causal"
         import hf_families
 
@@ -156,7 +164,7 @@ def _build_case(family: str, steps: int, seed: int, batch: int, **shape: Any) ->
             ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
             kwargs: dict[str, Any] = {"labels": ids.clone()}
             takes_cache = "use_cache" in inspect.signature(model.forward).parameters
-            if family in ("gpt2", "llama") or family.startswith("hf:") and takes_cache:
+            if family in ("gpt2", "llama", "mixtral_aux") or family.startswith("hf:") and takes_cache:
                 kwargs["use_cache"] = False
             batches.append(Batch(inputs=(ids,), kwargs=kwargs))
     return Case(model=model, batches=batches, loss_fn=cross_entropy if family == "mlp" else None)

@@ -205,3 +205,11 @@ def test_a_loop_over_experts_trains_data_parallel(ranks, mesh, plan) -> None:
     """Experts in a Python loop (rows read from the data): planned at balanced routing, trained as one device
     trains them; ep refuses it with the way to a stacked weight (test_ep_refusals)."""
     run_ep(ranks, "moe_loop", mesh, plan)
+
+
+@pytest.mark.parametrize("plan", [{}, {"ep": 2}], ids=["dp4", "dp4-ep2"])
+def test_the_router_balancing_loss_is_the_global_batchs(ranks, plan) -> None:
+    """Mixtral's load-balancing loss multiplies each expert's share of tokens by its mean router probability,
+    over the batch: each rank's sums are summed over dp (and the count of rows with them), so the loss and
+    its gradient are those of the global batch, as one device computes them."""
+    run_ep(ranks, "mixtral_aux", {"dp": 4}, plan)

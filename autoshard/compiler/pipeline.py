@@ -5,6 +5,7 @@ pass manager (passes/infra.py ``run_steps``) runs them and logs each result:
 
     autocast_asserts              the plan computes under autocast: drop export's dtype checks
     expert_parallel               ep > 1: split the experts, dispatch and combine each layer's rows
+    batch_statistics              dp > 1: statistics of the batch that reach only the loss, over every dp rank
     tp_placement, tp_rewrite      tp > 1: shard the weights, insert the collectives and local sizes
     dropout_masks                 dropout_masks="single_device": each dropout reads one device's mask
     pipeline_split                pp > 1: cut the graph into stages of balanced cost
@@ -137,6 +138,8 @@ STEPS: tuple[Step[Build], ...] = (
     Step(passes.autocast_asserts.PASS, lambda b: b.plan.autocast is not None,
          lambda b, gm: run_pass(passes.autocast_asserts.PASS, gm)),
     Step(passes.expert_parallel.PASS, lambda b: b.plan.ep > 1, _expert_parallel),
+    Step(passes.batch_statistics.PASS, lambda b: b.plan.dp > 1,
+         lambda b, gm: run_pass(passes.batch_statistics.PASS, gm, b.plan.dp)),
     Step(passes.tp_placement.PASS, lambda b: b.plan.tp > 1, _tp_placement),
     Step(passes.tp_rewrite.PASS, lambda b: b.plan.tp > 1, _tp_rewrite),
     Step(passes.dropout_masks.PASS, lambda b: b.plan.dropout_masks == "single_device", _dropout_masks),

@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autoshard.distributed import funcol
 from autoshard.distributed.comm import CommCounter
 from autoshard.distributed.groups import expert_groups, make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
+from autoshard.graph_ops.batch_stats import BatchStatistics
 from autoshard.graph_ops.experts import on_native_kernel
 from autoshard.graph_ops.masks import SingleDeviceMasks
 from autoshard.graph_ops.pipeline import PipelineChannel
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["RankRuntime"]
 
 TP_ATTR, PIPE_ATTR, ZERO3_ATTR, EP_ATTR = "tp", "pipe", "zero3", "ep"  # the graphs' get_attr names of runtime modules
+STATS_ATTR = "dp_stats"
 
 
 def state_tensors(compiled: Compiled) -> dict[str, torch.Tensor]:
@@ -189,6 +192,9 @@ class RankRuntime:
             gm.add_submodule(MASKS_ATTR, self.masks)
         if self.ep is not None:
             gm.add_submodule(EP_ATTR, self.ep)
+        if hasattr(gm, STATS_ATTR) and self.dp_group is not None:  # statistics over the global batch
+            funcol.register_counter(self.dp_group.group_name, self.comm)
+            gm.add_submodule(STATS_ATTR, BatchStatistics(self.plan.dp, self.dp_group.group_name))
 
     def _make_masks(self) -> SingleDeviceMasks:
         # Every rank follows rank 0's generator state at compile: what one device would draw from.
