@@ -820,4 +820,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_experts.py"],
         "k": "checkpoint_reshards",
     },
+    {
+        "name": "110_batch_statistic_divided_by_the_local_count",
+        "file": "passes/batch_statistics.py",
+        "why": "a sum over every dp rank's rows is divided by this rank's count of rows",
+        "tests": ["tests/test_experts.py"],
+        "k": "balancing",
+    },
+    {
+        "name": "111_batch_statistic_gradient_left_local",
+        "file": "autoshard/graph_ops/batch_stats.py",
+        "why": "a statistic summed over dp in forward takes only this rank's gradient in backward",
+        "tests": ["tests/test_experts.py"],
+        "k": "balancing",
+    },
 ]
