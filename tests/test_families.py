@@ -55,17 +55,24 @@ def _eager_inputs(fam: dict[str, str]) -> tuple[Any, type, torch.Tensor, dict[st
     return config, cls, ids, kwargs
 
 
+def _compiled(eager: tuple, mesh: dict[str, int], plan: dict[str, Any]) -> Any:
+    """The family compiled offline on ``mesh`` with ``plan``, or compile's refusal (made before any work)."""
+    config, cls, ids, kwargs = eager
+    torch.manual_seed(0)
+    try:
+        return autoshard.compile(
+            cls(config), autoshard.Mesh(**mesh), example_inputs=(ids,), example_kwargs=dict(kwargs), plan=plan
+        )
+    except autoshard.AutoshardError as refused:
+        return refused
+
+
 def check_family_compiles(family: str) -> None:
-    fam = hf_families.by_name(family)
-    config, cls, ids, kwargs = _eager_inputs(fam)
+    eager = _eager_inputs(hf_families.by_name(family))
     for mesh, plan in MESHES:
-        torch.manual_seed(0)
-        try:
-            program = autoshard.compile(
-                cls(config), autoshard.Mesh(**mesh), example_inputs=(ids,), example_kwargs=dict(kwargs), plan=plan
-            )
-        except autoshard.AutoshardError as refused:  # refused before any work, with its reason
-            assert len(str(refused)) > 40, f"{family} {mesh}: {refused}"
+        program = _compiled(eager, mesh, plan)
+        if isinstance(program, autoshard.AutoshardError):  # refused, with its reason
+            assert len(str(program)) > 40, f"{family} {mesh}: {program}"
             continue
         text = program.explain()
         report = program.tp_report
@@ -109,15 +116,10 @@ def check_experts_split(family: str) -> str:
         pytest.skip(str(why))
     if not any("expert" in name for name, _ in model.named_parameters()):
         pytest.skip("no experts")
-    config, cls, ids, kwargs = _eager_inputs(fam)
-    torch.manual_seed(0)
-    try:
-        program = autoshard.compile(
-            cls(config), autoshard.Mesh(dp=2), example_inputs=(ids,), example_kwargs=dict(kwargs), plan={"ep": 2}
-        )
-    except autoshard.AutoshardError as refused:
-        assert len(str(refused)) > 40 and "ep" in str(refused), f"{family}: {refused}"
-        return f"refused: {refused}"
+    program = _compiled(_eager_inputs(fam), {"dp": 2}, {"ep": 2})
+    if isinstance(program, autoshard.AutoshardError):
+        assert len(str(program)) > 40 and "ep" in str(program), f"{family}: {program}"
+        return f"refused: {program}"
     split = [k for k, p in program.placements.items() if isinstance(p.ep, Shard)]
     assert split, family
     for rank in (0, 1):
