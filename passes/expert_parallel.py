@@ -47,6 +47,8 @@ GROUPED_MATMULS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 WEIGHT_VIEWS = {aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias}
 SPLITS = {aten.chunk, aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_chunk}
 CHECKS = {aten._assert_tensor_metadata}
+# Elementwise ops without a sharding rule that experts' activations use (squared ReLU: Nemotron-H).
+ELEMENTWISE = {aten.square, aten.relu_, aten.silu_, aten.gelu_}
 
 
 def is_grouped_mm(node: fx.Node) -> bool:
@@ -121,7 +123,7 @@ class Layer:
             op = packet(node.target)
             if node.op != "call_function" or not (
                 is_grouped_mm(node) or op in CHECKS or op is operator.getitem or op in SPLITS and _feature_dim(node)
-                or node.target in POINTWISE_RULES and not _broadcasts_rows(node)
+                or (node.target in POINTWISE_RULES or op in ELEMENTWISE) and not _broadcasts_rows(node)
             ):  # fmt: skip
                 raise self.refuse(node, "is not computed row by row")
             for arg in node.all_input_nodes:
