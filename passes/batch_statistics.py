@@ -24,9 +24,9 @@ import torch
 from torch import fx
 
 from autoshard.graph_ops import batch_stats
-from autoshard.ir.meta import COST, LAYER, SHAPE, NodeCost, NodeShape, get_shape
+from autoshard.ir.meta import COST, LAYER, SHAPE, get_shape
 
-from .infra import Need, Pass, PassResult, calls_to
+from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
 
 __all__ = ["PASS", "RUNTIME_ATTR", "run"]
 
@@ -78,16 +78,10 @@ def _from_batch_size(node: fx.Node) -> bool:
         shape = n.meta.get(SHAPE)
         if shape is not None and shape.scalar is not None and _batched(shape.scalar):
             return True
-        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) or n.target is aten.sym_size.int:
+        python_number = n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload)
+        if python_number or n.target is aten.sym_size.int:
             stack.extend(n.all_input_nodes)
     return False
-
-
-def _mark(node: fx.Node, like: fx.Node) -> None:
-    zero = sympy.Integer(0)
-    node.meta[SHAPE] = get_shape(like)
-    node.meta[LAYER] = like.meta.get(LAYER, "(top)")
-    node.meta[COST] = NodeCost(zero, zero, 0, zero)
 
 
 def run(gm: fx.GraphModule, dp: int) -> PassResult:
@@ -96,18 +90,13 @@ def run(gm: fx.GraphModule, dp: int) -> PassResult:
     stats = [n for n in graph.nodes if _reduces_batch(n) and n in free]
     if not stats:
         return PassResult("batch_statistics", False, "no statistic of the batch reaches the loss alone")
-    gm.add_submodule(RUNTIME_ATTR, batch_stats.BatchStatistics(dp))
-    with graph.inserting_before(next(iter(graph.nodes))):
-        runtime = graph.get_attr(RUNTIME_ATTR)
-    runtime.meta[SHAPE] = NodeShape()
-    runtime.meta[LAYER] = "(top)"
-    runtime.meta[COST] = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
+    runtime = runtime_attr(gm, RUNTIME_ATTR, batch_stats.BatchStatistics(dp))
     made: set[fx.Node] = set()
     for node in stats:
         users = list(node.users)
         with graph.inserting_after(node):
             made_node = graph.call_function(batch_stats.over_dp, (runtime, node, _SUMS[node.target]))
-        _mark(made_node, node)
+        mark_inserted(made_node, get_shape(node), node.meta.get(LAYER, "(top)"))
         made.add(made_node)
         for user in users:
             user.replace_input_with(node, made_node)
@@ -123,7 +112,7 @@ def run(gm: fx.GraphModule, dp: int) -> PassResult:
         if number and _from_batch_size(divisor):
             with graph.inserting_before(node):
                 count = graph.call_function(operator.mul, (divisor, dp))
-            _mark(count, divisor)
+            mark_inserted(count, get_shape(divisor), divisor.meta.get(LAYER, "(top)"))
             node.replace_input_with(divisor, count)
             scaled += 1
     graph.lint()

@@ -31,11 +31,11 @@ from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.graph_ops import experts as ep_ops
-from autoshard.ir.meta import COST, EXPERT, LAYER, SHAPE, ExpertLayer, NodeCost, NodeShape, TensorShape, get_shape
+from autoshard.ir.meta import EXPERT, LAYER, SHAPE, ExpertLayer, NodeShape, TensorShape, get_shape
 from autoshard.ir.ops import packet
 from autoshard.sharding.pointwise import RULES as POINTWISE_RULES
 
-from .infra import Need, Pass, PassResult, calls_to
+from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
 
 __all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "is_grouped_mm", "run"]
 
@@ -164,11 +164,7 @@ def _local(shape: TensorShape, ep: int) -> TensorShape:
 
 
 def _mark(node: fx.Node, shape: NodeShape, layer: str, record: ExpertLayer) -> fx.Node:
-    zero = sympy.Integer(0)
-    node.meta[SHAPE] = shape
-    node.meta[LAYER] = layer
-    node.meta[COST] = NodeCost(zero, zero, 0, zero)
-    node.meta[EXPERT] = record
+    mark_inserted(node, shape, layer).meta[EXPERT] = record
     return node
 
 
@@ -229,12 +225,7 @@ def run(gm: fx.GraphModule, ep: int) -> PassResult:
                 f"ep={ep} does not divide the {layer.experts} experts of {layer.name}; choose an ep that divides "
                 f"{layer.experts}"
             )
-    gm.add_submodule(RUNTIME_ATTR, ep_ops.UnboundExpertParallel(ep))
-    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
-        runtime = gm.graph.get_attr(RUNTIME_ATTR)
-    runtime.meta[SHAPE] = NodeShape()
-    runtime.meta[LAYER] = "(top)"
-    runtime.meta[COST] = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
+    runtime = runtime_attr(gm, RUNTIME_ATTR, ep_ops.UnboundExpertParallel(ep))
     for layer in layers:
         _rewrite(gm, layer, ep, runtime)
     gm.graph.lint()

@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from torch import fx
 
 from autoshard.errors import MissingMetaError
-from autoshard.ir.meta import PRODUCERS, SHAPE
+from autoshard.ir.meta import COST, LAYER, NO_COST, PRODUCERS, SHAPE, NodeShape
 
 __all__ = [
     "CALLS",
@@ -32,6 +32,8 @@ __all__ = [
     "Scope",
     "Step",
     "all_nodes",
+    "mark_inserted",
+    "runtime_attr",
     "check_graph",
     "is_trainable_parameter",
     "run_pass",
@@ -97,6 +99,19 @@ class Pass:
     reads: tuple[Need, ...]
     writes: tuple[Need, ...]
     run: Callable[..., PassResult]
+
+
+def mark_inserted(node: fx.Node, shape: NodeShape, layer: str) -> fx.Node:
+    """The analysis keys on a node a transformation inserts: its shape, its layer, no cost."""
+    node.meta.update({SHAPE: shape, LAYER: layer, COST: NO_COST})
+    return node
+
+
+def runtime_attr(gm: fx.GraphModule, name: str, module: Any) -> fx.Node:
+    """``module`` under ``name`` (a rank binds its own there) and its get_attr, first in the graph."""
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+        return mark_inserted(gm.graph.get_attr(name), NodeShape(), "(top)")
 
 
 def all_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -46,10 +46,10 @@ from autoshard.ir.meta import (
     BIAS_SPLIT,
     COST,
     LAYER,
+    NO_COST,
     SHAPE,
     TP,
     TP_COMM,
-    NodeCost,
     NodeShape,
     TensorShape,
     TpCollective,
@@ -369,7 +369,7 @@ def run(gm: fx.GraphModule, degree: int, sequence_parallel: bool = False) -> Pas
     rewriter.run()
     for node in gm.graph.nodes:  # what the rewrite added costs no FLOPs (a pipeline cut reads every node's cost)
         if node.op != "output" and COST not in node.meta:
-            node.meta[COST] = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
+            node.meta[COST] = NO_COST
     gm.graph.lint()
     gm.recompile()
     totals: dict[str, int] = {}

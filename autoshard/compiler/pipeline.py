@@ -108,7 +108,7 @@ def _flat_groups(b: Build, gm: fx.GraphModule) -> PassResult:
     # when one stage's backward ends, and a group of weights tied across pipeline ranks is laid out alike
     # on each of them), and the user's optimizer group (a ZeRO shard steps with one group's settings).
     b.stages_of = stages_reading(gm, b.plan.pp)
-    groups = partition(gm, b.stages_of, b.opt_groups)
+    groups = partition(gm, b.stages_of, b.opt_groups, b.experts)
     if b.plan.zero == 3:
         return run_pass(passes.zero_groups.PASS, gm, groups)
     return run_pass(passes.grad_buckets.PASS, gm, b.plan.bucket_bytes, groups)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import fx, nn
 
-from autoshard.ir.meta import get_expert, get_stage
+from autoshard.ir.meta import get_stage
 from autoshard.ir.placements import OnStages, ParamPlacement, Replicate, Shard
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def stages_reading(gm: fx.GraphModule, pp: int) -> dict[int, frozenset[int]]:
 
 
 def partition(
-    gm: fx.GraphModule, stages_of: dict[int, frozenset[int]], opt_groups: dict[int, int]
+    gm: fx.GraphModule, stages_of: dict[int, frozenset[int]], opt_groups: dict[int, int], experts: frozenset[str]
 ) -> dict[str, tuple[frozenset[int], int | None, bool]]:
     """Each trainable parameter's (stages reading it, the user's optimizer group, whether it is an expert weight
     that ep splits): what a flat group keeps apart."""
@@ -39,7 +39,7 @@ def partition(
     for node in gm.graph.nodes:
         param = _parameter(gm, node.target) if node.op == "get_attr" else None
         if param is not None and id(param) in stages_of:
-            out[node.target] = (stages_of[id(param)], opt_groups.get(id(param)), get_expert(node) is not None)
+            out[node.target] = (stages_of[id(param)], opt_groups.get(id(param)), node.target in experts)
     return out
 
 

@@ -48,18 +48,15 @@ class UnboundExpertParallel(nn.Module):
         loads, self.loads = self.loads, {}
         return loads
 
-    def route(self, counts: torch.Tensor, layer: str = "") -> torch.Tensor:
+    def _unbound(self, *_: Any) -> Any:
         raise DistributedError(
             "this expert-parallel graph was built for inspection; run it through a Program compiled under a "
             "process group"
         )
 
-    def exchange(self, rows: torch.Tensor, send: list[int], receive: list[int], op: str) -> torch.Tensor:
-        return self.route(rows)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Every ep rank's experts of one weight, joined along dim 0 (a collective)."""
-        return self.route(local)
+    # route(counts, layer): the routing; exchange(rows, send, receive, op): an all-to-all; gather(local): every
+    # ep rank's experts of one weight joined along dim 0. A rank's ExpertParallel implements them.
+    route = exchange = gather = _unbound
 
 
 def _regroup(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ __all__ = [
     "EXPERT",
     "ExpertLayer",
     "get_expert",
+    "NO_COST",
     "NodeCost",
     "NodeShape",
     "PIPE",
@@ -196,6 +197,10 @@ class NodeCost:
     flops_bwd: sympy.Expr
     param_bytes: int
     activation_bytes: sympy.Expr
+
+
+# What a node a transformation inserts costs the planner (a collective, a runtime module's get_attr): nothing.
+NO_COST = NodeCost(sympy.Integer(0), sympy.Integer(0), 0, sympy.Integer(0))
 
 
 @dataclass(frozen=True)

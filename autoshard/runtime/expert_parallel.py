@@ -52,9 +52,10 @@ class ExpertParallel(UnboundExpertParallel):
         return out.to(rows.device)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every ep rank's experts of one weight, joined along dim 0 (a collective)."""
         wire = local.detach().contiguous()
         wire = wire.cpu() if self.on_host else wire
-        parts = [torch.empty_like(wire) for _ in range(self.degree)]
-        self.comm.count("all_gather", wire.numel() * wire.element_size() * self.degree)
-        dist.all_gather(parts, wire, group=self.group)
-        return torch.cat(parts).to(local.device)
+        whole = wire.new_empty((self.degree * wire.shape[0], *wire.shape[1:]))
+        self.comm.count("all_gather", whole.numel() * whole.element_size())
+        all_gather_tensor(whole, wire, group=self.group)
+        return whole.to(local.device)
