@@ -4,7 +4,8 @@ Reads:  autoshard.shape, autoshard.layer
 Writes: autoshard.expert (meta.ExpertLayer) on each split layer's expert weights (get_attr), on its expert
         region (values of the rows routed to this rank's experts) and on the nodes it inserts; updates
         autoshard.shape of the expert weights to the rank's E / ep experts (so gradient buckets size them);
-        autoshard.shape, autoshard.layer and autoshard.cost (no FLOPs) on the nodes it inserts
+        autoshard.shape, autoshard.layer and autoshard.cost (no FLOPs) on the nodes it inserts; a loop's
+        slot regions' autoshard.shape holds ep times the rows (every ep rank's, in expectation)
 
 An MoE layer is found by its grouped matmuls: calls of ``aten._grouped_mm`` (or the fallback op that
 transformers registers) that take rows sorted by expert, weights stacked along a first dimension of E
@@ -19,6 +20,10 @@ every ep rank) and ``experts.combine`` after it (the rows back in their order), 
 weights along dim 0. Every value in the region must be per row: grouped matmuls, elementwise ops, a
 split along the features. Anything else (an op that mixes rows, a value read outside the region, a
 weight that is not stacked by expert) refuses ep with the node named: never a silent replication.
+
+A layer written as a Python loop over its experts (each expert its own weights, its rows gathered with
+``x[where(ids == e)[0]]``) is split by passes/expert_loops.py: each rank runs its experts in the places of
+the first E / ep, and the pass returns which weights a rank reads in each place (meta.ExpertSplit).
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.graph_ops import experts as ep_ops
-from autoshard.ir.meta import EXPERT, LAYER, SHAPE, ExpertLayer, NodeShape, TensorShape, get_shape
+from autoshard.ir.meta import EXPERT, LAYER, SHAPE, ExpertLayer, ExpertSplit, NodeShape, TensorShape, get_shape
 from autoshard.ir.ops import packet
 from autoshard.sharding.pointwise import RULES as POINTWISE_RULES
 
+from .expert_loops import find_loops, rewrite_loop
 from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
 
-__all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "is_grouped_mm", "run"]
+__all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "find_loops", "is_grouped_mm", "run"]
 
 RUNTIME_ATTR = "ep"
 aten = torch.ops.aten
@@ -205,41 +211,37 @@ def _rewrite(gm: fx.GraphModule, layer: Layer, ep: int, runtime: fx.Node) -> Non
 
 def run(gm: fx.GraphModule, ep: int) -> PassResult:
     layers = find_layers(gm)
-    loop = [n for n in gm.graph.nodes if n.target in (aten.nonzero.default, aten.where.default) and len(n.args) == 1]
-    if not layers and loop:
-        raise PlanError(
-            f"ep={ep} splits experts stacked in one weight, and this model routes its tokens in a loop over the "
-            f"experts ({loop[0].name}: the rows of one expert, read from the data); stack each expert projection's "
-            f"weights into one [E, in, out] parameter and run them with torch._grouped_mm (as transformers' "
-            f"experts_implementation='grouped_mm' does), or use ep=1"
-        )
-    if not layers:
+    loops = find_loops(gm)
+    if not layers and not loops:
         raise PlanError(
             f"ep={ep} splits the experts of mixture-of-experts layers, and this model has none that autoshard "
             f"recognises (grouped matmuls over experts stacked in one weight: torch._grouped_mm, or transformers' "
-            f"experts_implementation='grouped_mm'); use ep=1"
+            f"experts_implementation='grouped_mm'; or a loop over the experts taking x[where(ids == e)[0]]); use ep=1"
         )
-    for layer in layers:
-        if layer.experts % ep:
+    for name, experts in [(la.name, la.experts) for la in layers] + [(lo.name, lo.num_experts) for lo in loops]:
+        if experts % ep:
             raise PlanError(
-                f"ep={ep} does not divide the {layer.experts} experts of {layer.name}; choose an ep that divides "
-                f"{layer.experts}"
+                f"ep={ep} does not divide the {experts} experts of {name}; choose an ep that divides {experts}"
             )
     runtime = runtime_attr(gm, RUNTIME_ATTR, ep_ops.UnboundExpertParallel(ep))
     for layer in layers:
         _rewrite(gm, layer, ep, runtime)
+    slots: dict[str, tuple[str, ...]] = {}
+    for loop in loops:
+        slots.update(rewrite_loop(gm, loop, ep, runtime))
     gm.graph.lint()
     gm.recompile()
     weights = sum(len(layer.weights) for layer in layers)
-    split = frozenset(w.target for layer in layers for w in layer.weights)
-    return PassResult(
-        "expert_parallel", True, f"{len(layers)} expert layers over ep={ep}, {weights} weights split", split
-    )
+    split = ExpertSplit(frozenset(w.target for layer in layers for w in layer.weights), slots)
+    summary = f"{len(layers)} expert layers over ep={ep}, {weights} weights split"
+    if loops:
+        summary += f"; {len(loops)} loops over experts, {len(slots)} slot weights a rank"
+    return PassResult("expert_parallel", True, summary, split)
 
 
 PASS = Pass(
     "expert_parallel",
     reads=(Need(SHAPE), Need(LAYER)),
-    writes=(Need(EXPERT, calls_to("expert dispatch and combine", ep_ops.dispatch, ep_ops.combine)),),
+    writes=(Need(EXPERT, calls_to("expert dispatch and combine", *ep_ops.EXCHANGES)),),
     run=run,
 )

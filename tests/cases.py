@@ -79,10 +79,11 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
 
     transformers.logging.set_verbosity_error()
     layers = shape.get("layers", 2)
-    if family in ("moe", "moe_mixing_rows", "moe_loop"):  # hand-written experts: torch._grouped_mm, or a loop
+    if family in ("moe", "moe_mixing_rows", "moe_loop", "moe_loop_mixed"):  # hand-written: _grouped_mm, or a loop
         from expert_cases import GroupedMoELM
 
-        return GroupedMoELM(VOCAB, layers, mix_rows=family == "moe_mixing_rows", loop=family == "moe_loop")
+        loop = family.startswith("moe_loop")
+        return GroupedMoELM(VOCAB, layers, family == "moe_mixing_rows", loop, mixed=family == "moe_loop_mixed")
     if family == "mixtral_aux":  # a router load-balancing loss in the training loss
         cfg = transformers.MixtralConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
@@ -578,6 +579,7 @@ def train_plan(
         "grad_norms": norms,
         "param_groups": groups,
         "memory": program.last_step_memory,
+        "held": sorted(k for k, t in program.compiled.model.state_dict().items() if t.numel()),
     }
 
 

@@ -59,13 +59,14 @@ class GroupedMoELM(nn.Module):
     """A small language model whose blocks are a norm and a GroupedMoE (``loop``: a LoopMoE) with a residual."""
 
     def __init__(
-        self, vocab: int, layers: int = 2, hidden: int = 32, mix_rows: bool = False, loop: bool = False
+        self, vocab: int, layers: int = 2, mix_rows: bool = False, loop: bool = False, mixed: bool = False
     ) -> None:
+        hidden = 32
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
         moe = (
-            (lambda: LoopMoE(hidden, 2 * hidden, 4, 2))
+            (lambda: LoopMoE(hidden, 2 * hidden, 4, 2, mixed))
             if loop
             else (lambda: GroupedMoE(hidden, 2 * hidden, 4, 2, mix_rows))
         )
@@ -93,14 +94,19 @@ def explained_load(rank: int, world_size: int, family: str, mesh: dict[str, int]
 
 class LoopMoE(nn.Module):
     """Experts as older and hand-written models run them: a Python loop over the experts, each taking the
-    tokens routed to it (``where(ids == e)``) and adding its weighted output back with ``index_add``."""
+    tokens routed to it (``where(ids == e)``) and adding its weighted output back with ``index_add``.
+    ``mixed``: expert 1 runs GELU where the others run SiLU (ep, which runs experts in each other's places, must
+    refuse)."""
 
-    def __init__(self, hidden: int, inter: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, mixed: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, inter), nn.SiLU(), nn.Linear(inter, hidden)) for _ in range(experts)
+            nn.Sequential(
+                nn.Linear(hidden, inter), nn.GELU() if mixed and e == 1 else nn.SiLU(), nn.Linear(inter, hidden)
+            )
+            for e in range(experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -137,9 +137,9 @@ def test_hand_written_grouped_mm_moe(ranks) -> None:
         ("hf:mixtral:causal", {"dp": 8}, {"ep": 8}, "does not divide the 4 experts"),
         ("hf:mixtral:causal", {"dp": 6}, {"ep": 4}, "must divide dp=6"),
         ("moe_mixing_rows", {"dp": 4}, {"ep": 2, "zero": 1, "param_dtype": torch.bfloat16}, "not computed row by row"),
-        ("moe_loop", {"dp": 4}, {"ep": 2}, "routes its tokens in a loop over the experts"),
+        ("moe_loop_mixed", {"dp": 4}, {"ep": 2}, "runs expert 1 differently from expert 0"),
     ],
-    ids=["dense", "experts", "dp", "mixing", "loop"],
+    ids=["dense", "experts", "dp", "mixing", "loop-mixed"],
 )
 def test_ep_refusals(family, mesh, plan, words) -> None:
     """What ep cannot split is refused at compile, before any rank works, with the reason."""
@@ -200,11 +200,55 @@ def test_clipping_counts_each_expert_once(ranks) -> None:
     assert_state_close(results[0]["state"], ref_state)
 
 
-@pytest.mark.parametrize(("mesh", "plan"), [({"dp": 4}, {}), ({"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2})])
-def test_a_loop_over_experts_trains_data_parallel(ranks, mesh, plan) -> None:
-    """Experts in a Python loop (rows read from the data): planned at balanced routing, trained as one device
-    trains them; ep refuses it with the way to a stacked weight (test_ep_refusals)."""
-    run_ep(ranks, "moe_loop", mesh, plan)
+@pytest.mark.parametrize(
+    ("mesh", "plan"),
+    [
+        ({"dp": 4}, {}),
+        ({"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2}),
+        ({"dp": 4}, {"ep": 2}),
+        ({"dp": 4}, {"ep": 4, "zero": 1}),
+        ({"dp": 4}, {"ep": 2, "zero": 3, "recompute": "full"}),
+        ({"dp": 2, "tp": 2}, {"ep": 2, "microbatches": 2}),
+        ({"dp": 2, "pp": 2}, {"ep": 2, "zero": 2, "microbatches": 2}),
+        ({"dp": 2, "pp": 2}, {"ep": 2, "zero": 3, "recompute": "full", "microbatches": 2}),
+    ],
+    ids=[
+        "dp4",
+        "dp2-pp2-zero3",
+        "ep2",
+        "ep4-zero1",
+        "ep2-zero3-recompute",
+        "ep2-tp2-accumulate",
+        "ep2-pp2-zero2",
+        "ep2-pp2-zero3-recompute",
+    ],
+)
+def test_a_loop_over_experts(ranks, mesh, plan) -> None:
+    """Experts in a Python loop (rows read from the data, each expert its own weights): planned at balanced
+    routing, trained as one device trains them; under ep each rank runs its own experts in the loop's first
+    places (and holds only their weights)."""
+    results = run_ep(ranks, "moe_loop", mesh, plan)
+    ep, tp = plan.get("ep", 1), mesh.get("tp", 1)
+    for rank, result in enumerate(results):
+        if plan.get("zero") != 3:  # (ZeRO-3's parameters are empty at rest)
+            experts = {int(k.split(".")[3]) for k in result["held"] if ".experts." in k}
+            ep_rank = rank // tp % mesh["dp"] % ep
+            assert experts == set(range(ep_rank * 4 // ep, (ep_rank + 1) * 4 // ep)), rank
+
+
+def test_a_loop_over_experts_checkpoint_and_compile(ranks, tmp_path) -> None:
+    """Each loop expert's weights are stored whole by the rank that runs it: saved at ep=2, loaded at ep=4 and at
+    ep=1; and under torch_compile=True (its dispatch and combine stay eager) it trains as one device."""
+    family, path = "moe_loop", str(tmp_path / "ck")
+    ranks(4).run(train_and_save, family, {"dp": 4}, {"ep": 2, "zero": 1}, 3, 1, path)
+    ref_losses, ref_state = reference(family)
+    for plan in ({"ep": 4}, {"ep": 1, "zero": 3}):
+        resumed = ranks(4).run(load_and_train, family, {"dp": 4}, plan, 3, path)
+        assert resumed[0]["losses"] == pytest.approx(ref_losses[1:], rel=1e-5), plan
+        assert_state_close(resumed[0]["state"], ref_state)
+    compiled = ranks(4).run(train_compiled, family, {"dp": 4}, {"ep": 2}, "aot_eager")
+    assert compiled[0]["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert_state_close(compiled[0]["state"], ref_state)
 
 
 @pytest.mark.parametrize("plan", [{}, {"ep": 2}], ids=["dp4", "dp4-ep2"])

@@ -85,7 +85,7 @@ def held_per_rank(case, tp: int, pp: int) -> list[dict[str, list[int]]]:
     for rank in range(pp):
         parts: dict[str, list[int]] = {}
         for pid, keys in keys_of.items():
-            held = [k for k in keys if placements[k].held_on(rank)]
+            held = [k for k in keys if placements[k].held_on({"pp": rank, "dp": 0}, 1)]
             if not held:
                 continue
             first = keys[0]  # the first reader's key

@@ -113,9 +113,10 @@ def test_verify_reports_first_divergence_as_json_ready_dict() -> None:
     assert "add_1" in str(report) and "max error 0.5" in str(report)
 
 
-def test_verify_compares_a_mixture_of_experts_split_over_ranks(ranks) -> None:
+@pytest.mark.parametrize("family", ["hf:mixtral:causal", "moe_loop"])
+def test_verify_compares_a_mixture_of_experts_split_over_ranks(ranks, family) -> None:
     """Inside an expert region a rank holds other ranks' rows (and its own experts): those values are not the
     device's; everything before dispatch, after combine, the loss and every parameter after the step are."""
-    report = _verify_family(ranks(4), "hf:mixtral:causal", autoshard.Mesh(dp=4), {"ep": 2})
+    report = _verify_family(ranks(4), family, autoshard.Mesh(dp=4), {"ep": 2})
     assert report.ok, str(report)
     assert abs(report.loss - report.reference_loss) < 1e-5

@@ -74,7 +74,7 @@ def canonical_keys(rt: RankRuntime) -> dict[int, str]:
     """The first held key of each tensor (a tied weight has several)."""
     out: dict[int, str] = {}
     for key, tensor in rt.tensors.items():
-        if rt.compiled.placements[key].held_on(rt.coords["pp"]):
+        if rt.compiled.placements[key].held_on(rt.coords, rt.plan.ep):
             out.setdefault(id(tensor), key)
     return out
 
@@ -88,7 +88,7 @@ def model_regions(rt: RankRuntime, source: dict[str, str] | None = None) -> list
             for param, offset, shape in zip(layout.params, layout.offsets, layout.shapes):
                 flat_of[id(param)] = (rt.holder.runtime.shards[g], layout.lo, offset, shape)
     for key, tensor in rt.tensors.items():
-        if not rt.compiled.placements[key].held_on(rt.coords["pp"]):
+        if not rt.compiled.placements[key].held_on(rt.coords, rt.plan.ep):
             continue
         fqn = (source or {}).get(key, f"model.{key}")
         if id(tensor) in flat_of:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from autoshard.ir.meta import ExpertSplit
 
 if TYPE_CHECKING:
     from autoshard.capture import Captured
@@ -49,3 +51,4 @@ class Compiled:
     log_every: int = 0  # steps between progress lines through logging (0: none)
     torch_compile: TorchCompile | None = None  # how each rank graph is compiled (None: run eagerly)
     check_data: int = 3  # first steps in which step() checks which ranks were handed the same rows
+    experts: ExpertSplit = field(default_factory=ExpertSplit)  # the expert weights ep splits (slots re-pointed)

@@ -28,7 +28,7 @@ from torch import fx
 from autoshard import passes
 from autoshard.compiler.placements import partition, stages_reading
 from autoshard.errors import PlanError
-from autoshard.ir.meta import MODEL_PREFIX
+from autoshard.ir.meta import MODEL_PREFIX, ExpertSplit
 from autoshard.ir.placements import Shard
 from autoshard.passes.infra import PassResult, Step, run_pass
 from autoshard.spec.plan import splits_backward
@@ -62,7 +62,7 @@ class Build:
     stages: list[StageGraph] = field(default_factory=list)
     saved: list[tuple[str, ActivationMemory]] = field(default_factory=list)
     schedule: Schedule | None = None  # the pipeline's (None without one)
-    experts: frozenset[str] = frozenset()  # get_attr targets of the expert weights that ep splits
+    experts: ExpertSplit = field(default_factory=ExpertSplit)  # the expert weights that ep splits
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
@@ -108,7 +108,10 @@ def _flat_groups(b: Build, gm: fx.GraphModule) -> PassResult:
     # when one stage's backward ends, and a group of weights tied across pipeline ranks is laid out alike
     # on each of them), and the user's optimizer group (a ZeRO shard steps with one group's settings).
     b.stages_of = stages_reading(gm, b.plan.pp)
-    groups = partition(gm, b.stages_of, b.opt_groups, b.experts)
+    for slot, targets in b.experts.slots.items():  # another rank's expert in the slot: read where the slot is
+        for target in targets:
+            b.stages_of[id(gm.get_parameter(target))] = b.stages_of[id(gm.get_parameter(slot))]
+    groups = partition(gm, b.stages_of, b.opt_groups, b.experts.targets)
     if b.plan.zero == 3:
         return run_pass(passes.zero_groups.PASS, gm, groups)
     return run_pass(passes.grad_buckets.PASS, gm, b.plan.bucket_bytes, groups)

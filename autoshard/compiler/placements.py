@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from torch import fx, nn
 
-from autoshard.ir.meta import get_stage
-from autoshard.ir.placements import OnStages, ParamPlacement, Replicate, Shard
+from autoshard.ir.meta import ExpertSplit, get_stage
+from autoshard.ir.placements import OnRank, OnStages, ParamPlacement, Replicate, Shard
 
 if TYPE_CHECKING:
     from autoshard.passes.tp_placement import TpReport
@@ -50,22 +50,27 @@ def param_placements(
     stages_of: dict[int, frozenset[int]],
     schedule: Schedule | None,
     tp_report: TpReport | None,
-    expert_weights: frozenset[str] = frozenset(),
+    experts: ExpertSplit | None = None,
 ) -> dict[str, ParamPlacement]:
-    """Every state tensor's placement per mesh dimension."""
-    tp_of = {id(compiled_gm.get_parameter(t)): p for t, p in (tp_report.weights if tp_report else {}).items()}
-    partial = {id(compiled_gm.get_parameter(t)) for t in (tp_report.partial_grad_params if tp_report else ())}
-    experts = {id(compiled_gm.get_parameter(t)) for t in expert_weights}
+    """Every state tensor's placement per mesh dimension (a loop's expert, that of the slot it runs in)."""
+    experts = experts or ExpertSplit()
+    param = compiled_gm.get_parameter
+    tp_of = {id(param(t)): p for t, p in (tp_report.weights if tp_report else {}).items()}
+    partial = {id(param(t)) for t in (tp_report.partial_grad_params if tp_report else ())}
+    stacked = {id(param(t)) for t in experts.stacked}
+    slot_of = {id(param(t)): (id(param(slot)), k) for slot, ts in experts.slots.items() for k, t in enumerate(ts)}
     out = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
         read_by = stages_of.get(id(tensor))
         pp = OnStages(tuple(sorted({schedule.rank_of(s) for s in read_by}))) if schedule and read_by else Replicate()
         dp = Shard(0) if plan.zero == 3 and trainable and read_by else Replicate()
-        tp = tp_of.get(id(tensor), Replicate())
+        like, ep = id(tensor), Shard(0) if id(tensor) in stacked else Replicate()
+        if id(tensor) in slot_of:  # laid out as the slot it runs in, whole on the ep rank that runs it
+            like, ep = slot_of[id(tensor)][0], OnRank(slot_of[id(tensor)][1])
+        tp = tp_of.get(like, Replicate())
         tp = tp if isinstance(tp, Shard) else Replicate()
-        ep = Shard(0) if id(tensor) in experts else Replicate()
-        out[key] = ParamPlacement(key, tuple(tensor.shape), trainable, pp, dp, tp, id(tensor) in partial, ep)
+        out[key] = ParamPlacement(key, tuple(tensor.shape), trainable, pp, dp, tp, like in partial, ep)
     return out
 
 

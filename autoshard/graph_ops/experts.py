@@ -29,7 +29,7 @@ from torch import nn
 from autoshard.errors import DistributedError
 from autoshard.graph_ops.graph_break import stays_eager
 
-__all__ = ["UnboundExpertParallel", "combine", "dispatch", "on_native_kernel"]
+__all__ = ["UnboundExpertParallel", "combine", "combine_rows", "dispatch", "dispatch_rows", "on_native_kernel"]
 
 
 class UnboundExpertParallel(nn.Module):
@@ -111,6 +111,29 @@ def dispatch(
 def combine(ep: UnboundExpertParallel, rows: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
     """The local experts' output rows back where ``dispatch`` took them from, in their order."""
     return _Exchange.apply(rows, ep, routing, False, "ep_combine")
+
+
+@stays_eager
+def dispatch_rows(ep: UnboundExpertParallel, rows: list[torch.Tensor], layer: str = "") -> tuple[torch.Tensor, ...]:
+    """A loop over experts' form of ``dispatch``: ``rows[e]`` are this rank's rows of expert e; the rows of each
+    of this rank's experts from every ep rank, one tensor an expert, then the routing."""
+    counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64, device=rows[0].device)
+    routing = ep.route(counts, layer)
+    arrived = _Exchange.apply(torch.cat(rows), ep, routing, True, "ep_dispatch")
+    return (*arrived.split(routing[1].sum(0).tolist()), routing)
+
+
+@stays_eager
+def combine_rows(
+    ep: UnboundExpertParallel, outs: list[torch.Tensor], routing: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The converse of ``dispatch_rows``: each local expert's output rows back to where they came from; this
+    rank's rows of every expert, one tensor an expert, in the order of ``dispatch_rows``' input."""
+    back = _Exchange.apply(torch.cat(outs), ep, routing, False, "ep_combine")
+    return back.split(routing[0].reshape(-1).tolist())
+
+
+EXCHANGES = (dispatch, combine, dispatch_rows, combine_rows)  # the graph ops the expert-parallel rewrite inserts
 
 
 def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

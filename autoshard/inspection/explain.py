@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from autoshard.graph_ops import experts as ep_ops
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import LAYER, MODEL_PREFIX, evaluate_expr, get_expert, get_layer, get_shape
-from autoshard.ir.placements import OnStages, Shard
+from autoshard.ir.placements import OnRank, OnStages, Shard
 from autoshard.passes import tp_rewrite
 from autoshard.passes.infra import all_nodes
 
@@ -139,7 +139,7 @@ def _placements(program: Program) -> list[str]:
 
 
 def _notable(placement: ParamPlacement) -> bool:
-    return isinstance(placement, Shard) or isinstance(placement, OnStages)
+    return isinstance(placement, (Shard, OnStages, OnRank))
 
 
 def _stages(program: Program) -> list[str]:
@@ -169,13 +169,18 @@ def expert_lines(program: Program) -> list[str]:
     ]
     measured = program.metrics.expert_load if program.metrics is not None else {}
     graphs = [s.gm for s in program.compiled.stages] or [program.captured_graph]
-    for node in (n for gm in graphs for n in gm.graph.nodes if n.target is ep_ops.dispatch):
-        record, rows = get_expert(node), get_shape(node).tensors[0]
-        moved = evaluate_expr(rows.nbytes, at)
+    for node in (n for gm in graphs for n in gm.graph.nodes if n.target in (ep_ops.dispatch, ep_ops.dispatch_rows)):
+        record = get_expert(node)
+        if node.target is ep_ops.dispatch:
+            rows = get_shape(node).tensors[0]
+            moved, what = evaluate_expr(rows.nbytes, at), f"rows {rows}"
+        else:  # a loop over experts: one gather of rows an expert
+            gathers = [get_shape(r).tensor for r in node.args[1]]
+            moved, what = sum(evaluate_expr(t.nbytes, at) for t in gathers), f"a loop: rows {gathers[0]} an expert"
         load = f", expert load max/mean {measured[record.layer]:.2f} (last step)" if record.layer in measured else ""
         lines.append(
             f"  {record.layer:<30} {record.experts} experts, {record.experts // record.ep} a rank; each dispatch "
-            f"and combine moves {fmt_count(int(moved))}B a rank (rows {rows}){load}"
+            f"and combine moves {fmt_count(int(moved))}B a rank ({what}){load}"
         )
     return lines
 

@@ -7,7 +7,7 @@ accessors below, which say which pass to run when a key is missing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -44,6 +44,7 @@ __all__ = [
     "FlatSlot",
     "EXPERT",
     "ExpertLayer",
+    "ExpertSplit",
     "get_expert",
     "NO_COST",
     "NodeCost",
@@ -211,6 +212,20 @@ class ExpertLayer:
     layer: str  # the layer's name (its router's module path)
     experts: int  # E, every rank's count before the split
     ep: int  # the expert-parallel degree: each rank holds experts // ep of them
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """The expert weights ep splits, by get_attr target: those stacked by expert (cut along dim 0), and the slot
+    weights of loops over experts, each with the targets ep rank 0, 1, .. reads in its place."""
+
+    stacked: frozenset[str] = frozenset()
+    slots: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """Every expert weight the graph reads."""
+        return self.stacked | frozenset(self.slots)
 
 
 def get_expert(node: fx.Node) -> ExpertLayer | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OnStages", "ParamPlacement", "Partial", "Placement", "Replicate", "Shard"]
+__all__ = ["OnRank", "OnStages", "ParamPlacement", "Partial", "Placement", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,20 @@ class OnStages:
         return "@" + ",".join(str(r) for r in self.ranks)
 
 
-Placement = Shard | Replicate | Partial | OnStages
+@dataclass(frozen=True)
+class OnRank:
+    """Along ep: one expert's tensor of a loop over experts, held whole by the ep rank that runs the expert."""
+
+    rank: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"@ep{self.rank}"
+
+
+Placement = Shard | Replicate | Partial | OnStages | OnRank
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,8 @@ class ParamPlacement:
     partial_over_tp: its gradient is a partial sum on each tp rank (a replicated weight used on
           sequence shards, or a bias split over the ranks), summed over tp after backward
     ep    Shard(0): an expert weight split over the ep ranks (each holds E / ep experts), data parallel over
-          the dp / ep ranks that hold the same experts; Replicate() otherwise
+          the dp / ep ranks that hold the same experts; OnRank(k): the weight of one expert of a loop over
+          experts, held whole by ep rank k (data parallel likewise); Replicate() otherwise
     """
 
     key: str
@@ -108,15 +122,23 @@ class ParamPlacement:
     dp: Shard | Replicate
     tp: Shard | Replicate
     partial_over_tp: bool = False
-    ep: Shard | Replicate = Replicate()
+    ep: Shard | Replicate | OnRank = Replicate()
 
     @property
     def tied(self) -> bool:
         """A trainable tensor that several pipeline ranks hold a copy of (its gradients are summed there)."""
         return self.trainable and isinstance(self.pp, OnStages) and len(self.pp.ranks) > 1
 
-    def held_on(self, pp_rank: int) -> bool:
-        return not isinstance(self.pp, OnStages) or pp_rank in self.pp.ranks
+    @property
+    def expert(self) -> bool:
+        """A weight that ep splits: data parallel over the dp / ep ranks holding the same experts."""
+        return isinstance(self.ep, (Shard, OnRank))
+
+    def held_on(self, coords: dict[str, int], ep: int) -> bool:
+        """Whether the rank at these mesh coordinates holds the tensor (under ``ep``: its ep rank is dp % ep)."""
+        if isinstance(self.ep, OnRank) and coords["dp"] % ep != self.ep.rank:
+            return False
+        return not isinstance(self.pp, OnStages) or coords["pp"] in self.pp.ranks
 
     def counts_in_norm(self, coords: dict[str, int], grad_sharded_over_dp: bool, ep: int = 1) -> bool:
         """Whether this rank's copy of the gradient counts in the global norm: every element exactly once.
@@ -132,12 +154,12 @@ class ParamPlacement:
             return False
         if grad_sharded_over_dp:
             return True
-        if isinstance(self.ep, Shard):  # each ep rank's experts, once: on the first ranks holding them
+        if self.expert:  # each ep rank's experts, once: on the first ranks holding them
             return coords["dp"] < ep
         return coords["dp"] == 0
 
     def by_dim(self) -> dict[str, Placement]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}
 
     def __str__(self) -> str:
         extra = " (gradient partial over tp)" if self.partial_over_tp else ""

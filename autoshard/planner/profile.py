@@ -65,7 +65,7 @@ class PartAtDegree:
     # after a reduce-scatter): summed over tp once a step, after backward.
     partial_grad_bytes: int = 0
     # Its mixture-of-experts layers (passes/expert_parallel.py finds them): their count, the fewest experts of
-    # one, the bytes of their stacked expert weights (and elements), the rows each dispatch moves per call.
+    # one, the bytes of their expert weights (and elements), the rows each dispatch moves per call.
     moe_layers: int = 0
     experts: int = 0
     expert_param_bytes: int = 0
@@ -161,16 +161,19 @@ def _profile_part(
 def _experts(part: PartAtDegree, g: fx.GraphModule, owned: frozenset[str]) -> None:
     """Fill in the part's MoE layers (none where the pass does not recognise them: ep will refuse)."""
     try:
-        layers = passes.expert_parallel.find_layers(g)
+        layers, loops = passes.expert_parallel.find_layers(g), passes.expert_parallel.find_loops(g)
     except PlanError:
         return
+    experts = [e for loop in loops for e in loop.experts]  # a loop's: each expert's own weights and rows
     weights = {w.target: w for layer in layers for w in layer.weights if w.target in owned}
+    weights |= {w.target: w for e in experts for w in e.weights if w.target in owned}
     shapes = [get_shape(w).tensor for w in weights.values()]
-    part.moe_layers = len(layers)
-    part.experts = min((layer.experts for layer in layers), default=0)
+    part.moe_layers = len(layers) + len(loops)
+    part.experts = min([layer.experts for layer in layers] + [loop.num_experts for loop in loops], default=0)
     part.expert_param_bytes = sum(int(evaluate_expr(t.nbytes, {})) for t in shapes)
     part.expert_elements = sum(int(evaluate_expr(t.numel, {})) for t in shapes)
-    part.dispatch_bytes = sympy.Add(*(get_shape(layer.rows).tensor.nbytes for layer in layers))
+    rows = [layer.rows for layer in layers] + [e.rows for e in experts]
+    part.dispatch_bytes = sympy.Add(*(get_shape(r).tensor.nbytes for r in rows))
 
 
 @dataclass

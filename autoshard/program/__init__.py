@@ -121,7 +121,7 @@ class Program(StateMethods):
             return
         seen: set[int] = set()
         for name, param in self.compiled.model.named_parameters():
-            if id(param) not in seen and self.placements[name].held_on(self.mesh.coords(self.rank)["pp"]):
+            if id(param) not in seen and self.placements[name].held_on(self.mesh.coords(self.rank), self.plan.ep):
                 seen.add(id(param))
                 yield name, param
 
@@ -132,7 +132,8 @@ class Program(StateMethods):
         """Rank ``rank``'s graphs and parameter placements; works offline for any mesh size."""
         coords = self.mesh.coords(rank)
         names = dict(self.compiled.model.named_parameters(remove_duplicate=False))
-        placements = {key: p.by_dim() for key, p in self.placements.items() if key in names and p.held_on(coords["pp"])}
+        held = {key: p for key, p in self.placements.items() if key in names and p.held_on(coords, self.plan.ep)}
+        placements = {key: p.by_dim() for key, p in held.items()}
         return RankProgram(rank, coords, tuple(self._graphs_of(rank)), placements)
 
     def explain(self) -> str:

@@ -1,7 +1,8 @@
 """The model's state across ranks, read off each tensor's ParamPlacement.
 
 ``full_state`` joins it on rank 0: the holder gathers dp shards (ZeRO-3), tp shards are gathered
-over tp, experts over ep, and each tensor comes from the first pipeline rank that holds it. ``load_full_state``
+over tp, stacked experts over ep, and each tensor comes from the first pipeline rank that holds it (a loop's
+expert: from the rank of the first ep group that runs it). ``load_full_state``
 is the converse: every rank takes its share of a full state dict. ``local_state`` is what this rank
 holds.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.errors import InputError
-from autoshard.ir.placements import OnStages, Shard
+from autoshard.ir.placements import OnRank, OnStages, Shard
 
 if TYPE_CHECKING:
     from autoshard.runtime.rank import RankRuntime
@@ -32,7 +33,7 @@ def local_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
 
 
 def _held(rt: RankRuntime, key: str) -> bool:
-    return rt.compiled.placements[key].held_on(rt.coords["pp"])
+    return rt.compiled.placements[key].held_on(rt.coords, rt.plan.ep)
 
 
 def masters_kept(rt: RankRuntime) -> bool:
@@ -62,7 +63,8 @@ def full_state(rt: RankRuntime, masters: bool = False) -> dict[str, torch.Tensor
     owner = {}
     for key, placement in placements.items():
         first_pp = placement.pp.ranks[0] if isinstance(placement.pp, OnStages) else 0
-        owner[key] = rt.mesh.rank_of(pp=first_pp)
+        ep_rank = placement.ep.rank if isinstance(placement.ep, OnRank) else 0  # its expert's ep rank, first group
+        owner[key] = rt.mesh.rank_of(pp=first_pp, dp=ep_rank)
     out = {k: values[id(rt.tensors[k])].clone() for k in rt.tensors if owner[k] == 0} if rt.rank == 0 else {}
     for src in sorted(set(owner.values()) - {0}):
         keys = list(dict.fromkeys(k for k in rt.tensors if owner[k] == src))

@@ -6,13 +6,18 @@ this rank in it, the counted collectives of dispatch and combine, and each step'
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
+from torch import fx
+from torch.fx.graph_module import _assign_attr
 
 from autoshard.distributed.comm import CommCounter, all_gather_tensor
 from autoshard.graph_ops.experts import UnboundExpertParallel
+from autoshard.ir.meta import ZERO3, get_zero3_gather
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "repoint_slots"]
 
 
 class ExpertParallel(UnboundExpertParallel):
@@ -59,3 +64,39 @@ class ExpertParallel(UnboundExpertParallel):
         self.comm.count("all_gather", whole.numel() * whole.element_size())
         all_gather_tensor(whole, wire, group=self.group)
         return whole.to(local.device)
+
+
+def repoint_slots(
+    source: fx.GraphModule, graphs: list[fx.GraphModule], slots: dict[str, tuple[str, ...]], ep: ExpertParallel | None
+) -> None:
+    """Each slot of a loop over experts reads this rank's expert there (passes/expert_loops.py): its get_attr
+    nodes and ZeRO-3 gather records, in the graphs (and the recompute regions they call), which take the
+    weights from ``source`` (the captured graph, which holds every one)."""
+    for gm in graphs if ep is not None and slots else ():
+        for slot, targets in slots.items():  # the graph itself holds its weights (a ZeRO-3 gather finds them there)
+            if _holds(gm, slot):
+                _assign_attr(source.get_parameter(targets[ep.rank]), gm, targets[ep.rank])
+        _repoint(source, gm, slots, ep.rank)
+
+
+def _holds(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _repoint(source: fx.GraphModule, gm: fx.GraphModule, slots: dict[str, tuple[str, ...]], ep_rank: int) -> None:
+    for node in gm.graph.nodes:
+        sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            _repoint(source, sub, slots, ep_rank)
+        elif node.op == "get_attr" and node.target in slots:
+            node.target = slots[node.target][ep_rank]
+            _assign_attr(source.get_parameter(node.target), gm, node.target)
+        if ZERO3 in node.meta:
+            record = get_zero3_gather(node)
+            targets = tuple(slots[t][ep_rank] if t in slots else t for t in record.targets)
+            node.meta[ZERO3] = dataclasses.replace(record, targets=targets)
+    gm.recompile()

@@ -4,7 +4,7 @@ Set-up, the same order on every rank (collectives inside must match):
   1. process groups along dp, tp and pp, one per set of pipeline ranks sharing tied weights, and with
      ep the expert-parallel groups and the groups of ranks holding the same experts;
   2. tensor parallelism: the shared random state, every sharded tensor cut to this rank's slice (and
-     every expert weight to this rank's experts);
+     every stacked expert weight to this rank's experts; other ranks' experts of a loop released);
   3. pipeline: tensors no stage of this rank reads are released;
   4. every dp replica starts from the first dp rank's values (DDP's broadcast);
   5. the holder of the plan's ZeRO stage takes this rank's flat groups (runtime/holders.py, zero.py);
@@ -43,7 +43,7 @@ from autoshard.ir.placements import ParamPlacement, Shard
 from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.runtime.compiled import rank_compiler
-from autoshard.runtime.expert_parallel import ExpertParallel
+from autoshard.runtime.expert_parallel import ExpertParallel, repoint_slots
 from autoshard.runtime.flat import layouts_from_slots
 from autoshard.runtime.holders import Groups, Holder, ReplicatedHolder, ShardedHolder
 from autoshard.runtime.optim import (
@@ -133,21 +133,18 @@ class RankRuntime:
         masters = dict(compiled.master_values or {})
         for tensor in dict.fromkeys(self.tensors.values()):
             placement = self.placement_of[id(tensor)]
-            if isinstance(placement.tp, Shard) and self.tp is not None:
-                tensor.data = placement.tp.local(tensor.data, self.tp.rank, self.tp.degree).clone()
-                if id(tensor) in masters:
-                    masters[id(tensor)] = placement.tp.local(masters[id(tensor)], self.tp.rank, self.tp.degree)
-            if isinstance(placement.ep, Shard) and self.ep is not None:  # this rank's experts
-                tensor.data = placement.ep.local(tensor.data, self.ep.rank, self.ep.degree).clone()
-                if id(tensor) in masters:
-                    masters[id(tensor)] = placement.ep.local(masters[id(tensor)], self.ep.rank, self.ep.degree)
-            # 3. pipeline: another stage's tensor
-            if not placement.held_on(coords["pp"]):
+            for cut, group in ((placement.tp, self.tp), (placement.ep, self.ep)):  # tp slice; this rank's experts
+                if isinstance(cut, Shard) and group is not None:
+                    tensor.data = cut.local(tensor.data, group.rank, group.degree).clone()
+                    if id(tensor) in masters:
+                        masters[id(tensor)] = cut.local(masters[id(tensor)], group.rank, group.degree)
+            # 3. pipeline: another stage's tensor (under ep, another ep rank's expert of a loop over experts)
+            if not placement.held_on(coords, plan.ep):
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
                 masters.pop(id(tensor), None)
         # 4. every dp replica starts alike (the ranks holding the same experts, for experts)
         if distributed and plan.dp > 1:
-            experts = {id(t) for t in self.tensors.values() if isinstance(self.placement_of[id(t)].ep, Shard)}
+            experts = {id(t) for t in self.tensors.values() if self.placement_of[id(t)].expert}
             for expert in (False, True):
                 tensors = [t for t in dict.fromkeys(self.tensors.values()) if (id(t) in experts) == expert]
                 tensors += [m for key, m in masters.items() if (key in experts) == expert]
@@ -155,7 +152,8 @@ class RankRuntime:
                     self._broadcast(tensors, self.mesh.group("dp", self.rank)[0], self.dp_group)
                 elif self.expert_comm is not None and plan.dp > plan.ep:
                     self._broadcast(tensors, mesh.expert_groups(self.rank, plan.ep)[1][0], self.expert_comm.group)
-        # 5. the holder of this rank's flat groups; single-device dropout masks
+        # 5. the holder of this rank's flat groups (a loop's slots read this rank's experts); dropout masks
+        repoint_slots(compiled.captured.gm, list(self.graphs.values()), compiled.experts.slots, self.ep)
         self.holder = self._make_holder(masters)
         compiled.master_values = None  # the holder keeps this rank's fp32 shards; the whole copies can go
         self.masks = self._make_masks() if compiled.masks else None
@@ -234,7 +232,7 @@ class RankRuntime:
         layouts = layouts_from_slots(self._slots(), plan.dp, self.coords["dp"])
         comms = {}
         for g, layout in layouts.items():
-            if isinstance(self.placement_of[id(layout.params[0])].ep, Shard) and self.expert_comm is not None:
+            if self.placement_of[id(layout.params[0])].expert and self.expert_comm is not None:
                 # An expert group is data parallel over the dp / ep ranks holding its experts.
                 layout.dp, layout.dp_rank = plan.dp // plan.ep, self.coords["dp"] // plan.ep
                 comms[g] = self.expert_comm
