@@ -27,7 +27,12 @@ def test_256_rank_data_parallel_program_offline(gpt2_case) -> None:
     assert program.plan == autoshard.Plan(dp=256)
     view = program.for_rank(255)
     assert view.coords == {"pp": 0, "dp": 255, "tp": 0}
-    assert view.placements["lm_head.weight"] == {"pp": Replicate(), "dp": Replicate(), "tp": Replicate()}
+    assert view.placements["lm_head.weight"] == {
+        "pp": Replicate(),
+        "dp": Replicate(),
+        "tp": Replicate(),
+        "ep": Replicate(),
+    }
     assert "aten.scaled_dot_product_attention" in view.graph_code()
     assert str(view).startswith("rank 255 (pp=0, dp=255, tp=0): 1 graph(s)")
     # Compile is deterministic: every rank's graph is the same code.
