@@ -1,8 +1,9 @@
 """Activation recomputation: regions whose activations are recomputed in backward instead of kept.
 
 Reads:  autoshard.layer, autoshard.shape; autoshard.user_recompute (written at capture on the nodes of
-        the model's own torch.utils.checkpoint calls)
-Writes: autoshard.recompute (meta.RecomputeRegion) on each region's call node
+        the model's own torch.utils.checkpoint calls); autoshard.cost (forward FLOPs: what a region repeats)
+Writes: autoshard.recompute (meta.RecomputeRegion: with the bytes it frees and the FLOPs it repeats) on each
+        region's call node
 
 Each region becomes a submodule of the graph, called through ``graph_ops.recompute.region``, which
 keeps only the region's inputs for backward and recomputes the rest just before the region's
@@ -13,7 +14,10 @@ backward runs. The choice (``Plan.recompute``):
                    attention (a product of two activations, a softmax) is a region; kept are matmuls
                    with a weight (FLOP-heavy) and communication (a collective is not repeated);
                    recomputed are attention scores, softmax, attention dropout and the pointwise ops
-                   between them (Korthikanti et al.'s selective recomputation: the core attention)
+                   between them (Korthikanti et al.'s selective recomputation: the core attention), where
+                   that frees at least as many bytes per FLOP repeated as recomputing the whole block:
+                   weighed on what each kernel really keeps (``Deals``), so a fused attention kernel,
+                   which keeps its inputs and a log-sum-exp, is kept
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 
@@ -32,22 +36,37 @@ After::
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
-from autoshard.ir.meta import LAYER, RECOMPUTE, SHAPE, USER_RECOMPUTE, NodeShape, RecomputeRegion, get_layer
+from autoshard.ir.meta import (
+    COST,
+    LAYER,
+    RECOMPUTE,
+    SHAPE,
+    USER_RECOMPUTE,
+    NodeShape,
+    RecomputeRegion,
+    evaluate_expr,
+    get_layer,
+)
 from autoshard.ir.ops import ALIASING, packet, runs
 from autoshard.sharding.matmul import matmul_dims
 
+from . import saved_tensors
 from .infra import Need, Pass, PassResult, calls_to
 
-__all__ = ["PASS", "blocks", "run"]
+__all__ = ["PASS", "Deals", "blocks", "run"]
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -149,6 +168,60 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
     return sorted(regions, key=lambda r: position[r[0]])
 
 
+class Deals:
+    """What recomputing a set of nodes frees for backward and what it repeats, from what each op really saves
+    (passes/saved_tensors.py) and its FLOPs (passes/cost_model.py), symbolic in B and S."""
+
+    def __init__(self, gm: fx.GraphModule, device_type: str) -> None:
+        self.saves = {n: pairs or [] for n, pairs in saved_tensors.node_saves(gm, device_type).items()}
+        self.savers: dict[Any, set[fx.Node]] = {}
+        self.size: dict[Any, sympy.Expr] = {}
+        for node, pairs in self.saves.items():
+            for key, nbytes in pairs:
+                self.savers.setdefault(key, set()).add(node)
+                self.size.setdefault(key, nbytes)
+
+    def freed(self, nodes: list[fx.Node]) -> sympy.Expr:
+        """Bytes no longer kept once ``nodes`` recompute: what only they keep, less their inputs (now kept)."""
+        members = set(nodes)
+        inputs = {}
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                kept = saved_tensors.activation(arg) if arg not in members else None
+                if kept is not None:
+                    inputs[kept[0]] = kept[1]
+        keys = {key for node in nodes for key, _ in self.saves.get(node, ())} | set(inputs)
+        total = sympy.Integer(0)
+        for key in keys:
+            before = key in self.savers
+            after = bool(self.savers.get(key, set()) - members) or key in inputs
+            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0))
+        return sympy.expand(total)
+
+    @staticmethod
+    def flops(nodes: list[fx.Node]) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*(n.meta[COST].flops_fwd for n in nodes if COST in n.meta)))
+
+
+def _worth_it(gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, sizes: dict[str, int]) -> list:
+    """The attention runs that free at least as many bytes per FLOP repeated as recomputing their whole block
+    does (what "full" trades): an attention whose kernel keeps its score matrices is recomputed; a fused one,
+    which keeps its inputs and a log-sum-exp, frees almost nothing for a second attention forward and is kept."""
+    of_block: dict[str, tuple[float, float]] = {}
+    chosen = []
+    for run in runs:
+        layer = get_layer(run[0])
+        if layer not in of_block:
+            block = [n for n in gm.graph.nodes if n.op == "call_function" and get_layer(n) == layer]
+            block = [n for n in block if n.target not in _NEVER]
+            of_block[layer] = (evaluate_expr(deals.freed(block), sizes), evaluate_expr(deals.flops(block), sizes))
+        freed, flops = evaluate_expr(deals.freed(run), sizes), evaluate_expr(deals.flops(run), sizes)
+        block_freed, block_flops = of_block[layer]
+        if freed > 0 and (block_freed <= 0 or freed * block_flops >= block_freed * flops):
+            chosen.append(run)
+    return chosen
+
+
 def _closure(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]] | None:
     """(region, nodes to move after it): the region grown by the nodes between its first and last node that
     depend on it and that it depends on; None when that cannot be one call (nothing here makes it so)."""
@@ -173,7 +246,7 @@ def _closure(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]] | None
     return region, [n for n in span if n in after and n not in before]
 
 
-def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], name: str) -> fx.Node:
+def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], name: str, deals: Deals | None) -> fx.Node:
     members = set(region)
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in members))
     # The ZeRO-3 runtime, if any: the gathered parameters the region reads are gathered again before it replays.
@@ -196,7 +269,8 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], nam
     with graph.inserting_after(attr):
         call = graph.call_function(recompute.region, (attr, zero3, *inputs))
     call.meta.update({SHAPE: NodeShape(), LAYER: layer})
-    call.meta[RECOMPUTE] = RecomputeRegion(name, layer, len(region), tuple(n.name for n in inputs))
+    freed, flops = (deals.freed(region), deals.flops(region)) if deals is not None else (sympy.Integer(0),) * 2
+    call.meta[RECOMPUTE] = RecomputeRegion(name, layer, len(region), tuple(n.name for n in inputs), freed, flops)
     anchor = call
     for index, out in enumerate(outputs):
         with graph.inserting_after(anchor):
@@ -211,13 +285,21 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], nam
     return call
 
 
-def run(gm: fx.GraphModule, choice: Any) -> PassResult:
-    """``choice``: Plan.recompute. The value: the RecomputeRegion of each region made."""
+def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[str, int] | None = None) -> PassResult:
+    """``choice``: Plan.recompute; ``device_type``: whose kernels run ("cpu" or "cuda": what they keep differs);
+    ``sizes``: the sizes selective recomputation weighs its choices at (B cancels out; S does not). The value:
+    the RecomputeRegion of each region made."""
     made = []
-    for nodes in _candidates(gm, choice):
+    candidates = _candidates(gm, choice)
+    deals = Deals(gm, device_type) if candidates else None
+    if choice == "selective" and deals is not None:
+        found = len(candidates)
+        candidates = _worth_it(gm, candidates, deals, sizes or saved_tensors.PROBE)
+        log.info("selective recomputation: %d of %d attention runs worth recomputing", len(candidates), found)
+    for nodes in candidates:  # (each region's freed bytes as the graph stood before any was outlined)
         closed = _closure(nodes)
         if closed is not None:
-            call = _outline(gm, *closed, f"recompute_{len(made)}")
+            call = _outline(gm, *closed, f"recompute_{len(made)}", deals)
             made.append(call.meta[RECOMPUTE])
     gm.graph.lint()
     gm.recompile()

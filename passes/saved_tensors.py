@@ -41,7 +41,7 @@ from autoshard.sharding.matmul import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
 
-__all__ = ["PASS", "ActivationMemory", "LayerActivations", "run"]
+__all__ = ["PASS", "ActivationMemory", "LayerActivations", "activation", "node_saves", "run"]
 
 aten = torch.ops.aten
 PROBE = {"B": 1009, "S": 1013}
@@ -271,13 +271,12 @@ def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: torch.dtyp
     return key, numel * torch.empty((), dtype=cast, device="meta").element_size()
 
 
-def _account(
+def node_saves(
     gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None
-) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
-    """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
-    layers: dict[str, dict[str, sympy.Expr]] = {}
-    counted: set[Any] = set()
-    unaccounted: list[str] = []
+) -> dict[fx.Node, list[tuple[Any, sympy.Expr]] | None]:
+    """Per call, what it keeps for backward as (key, bytes) pairs, a value's key the same wherever it is kept
+    (its root node, or the op's own tensor); None for an op the meta device cannot run."""
+    out: dict[fx.Node, list[tuple[Any, sympy.Expr]] | None] = {}
     dtypes = run_dtypes(gm, device_type, autocast) if autocast is not None else {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -288,22 +287,45 @@ def _account(
         except Exception:  # noqa: BLE001 - an op the meta device cannot run: reported, not guessed
             saves = None
         if saves is None:
+            out[node] = None
+            continue
+        pairs = []
+        for value, nbytes in saves:
+            copy = _cast_copy(node, value, device_type, autocast, dtypes)
+            if copy is not None:
+                pairs.append(copy)
+            elif isinstance(value, tuple):  # the op's own tensor
+                pairs.append((value, nbytes))
+            else:
+                kept = activation(value, part, dtypes)
+                pairs += [kept] if kept is not None else []
+        out[node] = pairs
+    return out
+
+
+def activation(value: Any, part: bool = False, dtypes: dict[fx.Node, torch.dtype] | None = None) -> tuple | None:
+    """(key, bytes) of the activation that keeping ``value`` keeps (the value it views), or None (a weight)."""
+    root = _root(value, dtypes)
+    if not isinstance(root, fx.Node) or not _is_activation(root, part):
+        return None
+    return root, _run_nbytes(root, dtypes or {})
+
+
+def _account(
+    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None
+) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
+    """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
+    layers: dict[str, dict[str, sympy.Expr]] = {}
+    counted: set[Any] = set()
+    unaccounted: list[str] = []
+    for node, saves in node_saves(gm, device_type, part, autocast).items():
+        if saves is None:
             unaccounted.append(str(node.target))
             node.meta[SAVED] = NodeSaves(POINTWISE, sympy.Integer(0), probed=False)
             continue
         category = REGION if node.target is recompute.region else _category(node)
         before = layers.get(get_layer(node), {}).get(category, sympy.Integer(0))
-        for value, nbytes in saves:
-            copy = _cast_copy(node, value, device_type, autocast, dtypes)
-            if copy is not None:
-                key, size = copy
-            elif isinstance(value, tuple):  # the op's own tensor
-                key, size = value, nbytes
-            else:
-                root = _root(value, dtypes)
-                if not isinstance(root, fx.Node) or not _is_activation(root, part) or root in counted:
-                    continue
-                key, size = root, _run_nbytes(root, dtypes)
+        for key, size in saves:
             if key in counted:
                 continue
             counted.add(key)

@@ -180,3 +180,47 @@ def test_explain_shows_the_regions() -> None:
     text = _compile_gpt2(recompute="full").explain()
     assert "recompute=full" in text
     assert "recompute: 2 recompute regions in 2 layers (full)" in text
+
+
+@pytest.mark.parametrize(
+    ("attention", "dropout", "regions"),
+    [("sdpa", 0.0, 0), ("eager", 0.0, 2), ("sdpa", 0.1, 2)],
+    ids=["fused", "eager", "fused-dropout"],
+)
+def test_selective_recomputes_what_the_kernels_keep(attention: str, dropout: float, regions: int) -> None:
+    """Selective recomputation weighs each attention by what its kernel keeps for backward against the FLOPs it
+    would repeat, beside what recomputing the whole block trades: the fused kernel (no dropout) keeps its
+    inputs and a log-sum-exp, so recomputing it frees almost nothing and it is kept, which explain() says;
+    eager attention, and the CPU's math path under dropout, keep the score matrices and are recomputed."""
+    import transformers
+
+    from autoshard.planner.hardware import Hardware
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128, resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout, attn_implementation=attention,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
+    programs = {
+        choice: autoshard.compile(
+            transformers.GPT2LMHeadModel(config),
+            1,
+            example_inputs=(ids,),
+            example_kwargs={"labels": ids, "use_cache": False},
+            plan={"recompute": choice},
+            hardware=Hardware.preset("cpu"),
+        )  # fmt: skip
+        for choice in ("none", "selective")
+    }
+    gm = programs["selective"].for_rank(0).graph_modules[0]
+    assert sum(RECOMPUTE in n.meta for n in gm.graph.nodes) == regions
+    kept = {c: p.cost.saved_for_backward[0][1].evaluate(B=4, S=128)["kept"] for c, p in programs.items()}
+    explained = programs["selective"].explain()
+    if regions:
+        assert kept["selective"] < 0.8 * kept["none"]
+        assert "recompute selective: 2 regions free" in explained
+    else:
+        assert kept["selective"] == kept["none"]
+        assert "recompute selective frees nothing here" in explained

@@ -154,6 +154,6 @@ STEPS: tuple[Step[Build], ...] = (
          lambda b, gm: run_pass(passes.zero3_gather_free.PASS, gm), per_graph=True),
     Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan), _weight_grad_split, per_graph=True),
     Step(passes.recompute.PASS, lambda b: True,
-         lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute), per_graph=True),
+         lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute, b.kernels, b.sizes), per_graph=True),
     Step(passes.saved_tensors.PASS, lambda b: True, _saved_tensors, per_graph=True),
 )  # fmt: skip

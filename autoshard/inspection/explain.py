@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.graph_ops import experts as ep_ops
 from autoshard.graph_ops import tp as tp_ops
-from autoshard.ir.meta import LAYER, MODEL_PREFIX, evaluate_expr, get_expert, get_layer, get_shape
+from autoshard.ir.meta import LAYER, MODEL_PREFIX, RECOMPUTE, evaluate_expr, get_expert, get_layer, get_shape
 from autoshard.ir.placements import OnRank, OnStages, Shard
 from autoshard.passes import tp_rewrite
 from autoshard.passes.infra import all_nodes
@@ -107,6 +107,7 @@ def _saved_for_backward(program: Program) -> list[str]:
         + (f", S={at['S']}" if "S" in at else "")
         + ":"
     ]
+    lines += _recompute_lines(program, at)
     for name, memory in program.cost.saved_for_backward:
         value = memory.evaluate(**at)
         lines.append(
@@ -120,6 +121,31 @@ def _saved_for_backward(program: Program) -> list[str]:
         if memory.unaccounted:
             lines.append(f"    not probed (their saves not counted): {', '.join(memory.unaccounted)}")
     return lines
+
+
+def _recompute_lines(program: Program, at: dict[str, int]) -> list[str]:
+    """What the plan's recomputation frees and repeats (passes.recompute.Deals); a choice that frees nothing
+    is said to, with what to do instead."""
+    choice = program.plan.recompute
+    if choice == "none":
+        return []
+    graphs = [s.gm for s in program.compiled.stages] or [program.captured_graph]
+    regions = [n.meta[RECOMPUTE] for gm in graphs for n in gm.graph.nodes if RECOMPUTE in n.meta]
+    freed = sum(evaluate_expr(r.freed, at) for r in regions)
+    flops = sum(evaluate_expr(r.flops, at) for r in regions)
+    forward = evaluate_expr(program.cost.flops_fwd, at)
+    share = f" ({100 * flops / forward:.1f}% of a forward)" if forward else ""
+    if freed > 0:
+        return [f"  recompute {choice}: {len(regions)} regions free {fmt_count(freed)}B a call and repeat "
+                f"{fmt_count(flops)}FLOP{share} in backward"]  # fmt: skip
+    why = (
+        "no attention here keeps more bytes per FLOP than its block does (a fused attention kernel keeps only "
+        "its inputs and a log-sum-exp), so nothing is recomputed"
+        if choice == "selective" and not regions
+        else f"its {len(regions)} regions keep their inputs, which is what they would have kept, and repeat "
+        f"{fmt_count(flops)}FLOP{share}"
+    )
+    return [f"  recompute {choice} frees nothing here: {why}; use recompute='none', or 'full' to keep less"]
 
 
 def _placements(program: Program) -> list[str]:

@@ -269,6 +269,8 @@ class RecomputeRegion:
     layer: str
     nodes: int
     inputs: tuple[str, ...]
+    freed: sympy.Expr = sympy.Integer(0)  # bytes no longer kept for backward (passes.recompute.Deals), in B and S
+    flops: sympy.Expr = sympy.Integer(0)  # forward FLOPs repeated in backward
 
 
 @dataclass(frozen=True)

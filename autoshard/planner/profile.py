@@ -71,6 +71,7 @@ class PartAtDegree:
     expert_param_bytes: int = 0
     expert_elements: int = 0
     dispatch_bytes: sympy.Expr = sympy.Integer(0)
+    sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class PartAtDegree:
                 self._saved[key] = self._recompute("none", autocast)
             else:
                 g = copy.deepcopy(self.graph)
-                passes.run_pass(passes.recompute.PASS, g, choice)
+                passes.run_pass(passes.recompute.PASS, g, choice, self.kernels, self.sizes)
                 memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast).value
                 self._saved[key] = (memory.kept, memory.transient, part_graph.recomputed(g))
         return self._saved[key]
@@ -152,7 +153,7 @@ def _profile_part(
     attrs = {n.target: n for n in g.graph.nodes if n.op == "get_attr" and n.target in owned}
     partial_bytes = sum(int(evaluate_expr(get_shape(attrs[t]).nbytes, {})) for t in partial if t in attrs)
     part = PartAtDegree(works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels,
-                        tied, partial_bytes)  # fmt: skip
+                        tied, partial_bytes, sizes=sizes)  # fmt: skip
     if degree == 1:  # ep works with tp=1
         _experts(part, g, owned)
     return part
