@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from test_dp_equivalence import assert_state_close
 
 import autoshard
-from autoshard.ir.meta import RECOMPUTE
+from autoshard.ir.meta import RECOMPUTE, evaluate_expr
+from autoshard.passes.recompute import Deals
 
 MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
     ({"dp": 4}, {}),
@@ -224,3 +225,9 @@ def test_selective_recomputes_what_the_kernels_keep(attention: str, dropout: flo
     else:
         assert kept["selective"] == kept["none"]
         assert "recompute selective frees nothing here" in explained
+        # The kernel keeps q, k, v, its output and a log-sum-exp; recomputed, it would keep its inputs instead.
+        graph = programs["none"].for_rank(0).graph_modules[0]
+        deals = Deals(graph, "cpu")
+        attention = next(n for n in graph.graph.nodes if "scaled_dot_product" in str(n.target))
+        keeps = sum(evaluate_expr(size, {"B": 4, "S": 128}) for _, size in deals.saves[attention])
+        assert 0 < evaluate_expr(deals.freed([attention]), {"B": 4, "S": 128}) < keeps / 2

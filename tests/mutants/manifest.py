@@ -876,4 +876,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_experts.py"],
         "k": "loop_over_experts and tp2",
     },
+    {
+        "name": "118_selective_takes_every_attention",
+        "file": "passes/recompute.py",
+        "why": "selective recomputation takes every attention run that frees a byte, a fused kernel too",
+        "tests": ["tests/test_recompute.py"],
+        "k": "kernels_keep",
+    },
+    {
+        "name": "119_recompute_deal_forgets_the_kept_inputs",
+        "file": "passes/recompute.py",
+        "why": "what a recompute region frees leaves out that its inputs are then kept",
+        "tests": ["tests/test_recompute.py"],
+        "k": "kernels_keep",
+    },
 ]
