@@ -132,7 +132,10 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         unknown = [b for b in choice if b not in names]
         if unknown:
             raise PlanError(f"recompute names {unknown}, which are not blocks of this graph; the blocks are {names}")
-    chosen = set(names) if choice in ("full", "selective") else set(choice) if isinstance(choice, tuple) else set()
+    fine = choice == "selective" or isinstance(choice, float)  # runs between the kept matmuls, not whole blocks
+    chosen = (
+        set(names) if choice in ("full", "selective") or fine else set(choice) if isinstance(choice, tuple) else set()
+    )
     runs: list[list[fx.Node]] = [[]]
     user: dict[int, list[fx.Node]] = {}
     key: Any = None  # the block the current run belongs to
@@ -145,7 +148,7 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         layer = get_layer(node)
         if layer not in chosen and USER_RECOMPUTE in node.meta:
             user.setdefault(node.meta[USER_RECOMPUTE], []).append(node)
-        inside = layer in chosen and node.target not in _NEVER and not (choice == "selective" and _kept(node))
+        inside = layer in chosen and node.target not in _NEVER and not (fine and _kept(node))
         if inside and layer == key:
             runs[-1].append(node)
             in_run.add(node)
@@ -166,6 +169,55 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         runs = [r for r in runs if any(_attention(n) for n in r)]
     regions = [r for r in [*runs, *user.values()] if any(packet(n.target) not in ALIASING for n in r)]
     return sorted(regions, key=lambda r: position[r[0]])
+
+
+def _within_budget(
+    gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, budget: float, sizes: dict[str, int]
+) -> list[list[fx.Node]]:
+    """What to recompute so that at most ``budget`` of the bytes autograd keeps stay kept, at the least FLOPs
+    repeated: the runs between kept matmuls in order of bytes freed per FLOP, then, where those do not free
+    enough, whole blocks in the same order (each replacing its runs). A greedy knapsack on the accounting of
+    what each op keeps (Checkmate, Jain et al. 2020, solves it exactly as an ILP); the model's own
+    checkpointed regions always stay."""
+    at = lambda expr: evaluate_expr(expr, sizes)  # noqa: E731
+    need = at(deals.total()) * (1.0 - budget)
+    user = [r for r in runs if USER_RECOMPUTE in r[0].meta]
+    scored = [(at(deals.freed(r)), at(deals.flops(r)), r) for r in runs if USER_RECOMPUTE not in r[0].meta]
+    scored = sorted((x for x in scored if x[0] > 0), key=lambda x: -x[0] / max(x[1], 1.0))
+    taken, freed = [], sum(at(deals.freed(r)) for r in user)
+    for gain, _, run in scored:
+        if freed >= need:
+            break
+        taken.append(run)
+        freed += gain
+    whole: list[list[fx.Node]] = []
+    if freed < need:
+        by_block: dict[str, list[list[fx.Node]]] = {}  # what "full" recomputes of each block
+        for run in _candidates(gm, "full"):
+            by_block.setdefault(get_layer(run[0]), []).append(run)
+        options = []
+        for layer, parts in by_block.items():
+            nodes = [n for run in parts for n in run]
+            mine = [r for r in taken if get_layer(r[0]) == layer]
+            gain = at(deals.freed(nodes)) - sum(at(deals.freed(r)) for r in mine)
+            cost = at(deals.flops(nodes)) - sum(at(deals.flops(r)) for r in mine)
+            if gain > 0:
+                options.append((gain / max(cost, 1.0), gain, layer, parts))
+        for _, gain, layer, parts in sorted(options, key=lambda x: -x[0]):
+            if freed >= need:
+                break
+            whole += parts
+            taken = [r for r in taken if get_layer(r[0]) != layer]
+            user = [r for r in user if get_layer(r[0]) != layer]
+            freed += gain
+    # Greedy overshoots: drop what the budget holds without, the worst trades first (fewer FLOPs repeated, and
+    # the bytes kept closer to the budget).
+    for run in sorted(taken, key=lambda r: at(deals.freed(r)) / max(at(deals.flops(r)), 1.0)):
+        if freed - at(deals.freed(run)) >= need:
+            taken.remove(run)
+            freed -= at(deals.freed(run))
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted([*whole, *taken, *user], key=lambda r: position[r[0]])
 
 
 class Deals:
@@ -197,6 +249,10 @@ class Deals:
             after = bool(self.savers.get(key, set()) - members) or key in inputs
             total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0))
         return sympy.expand(total)
+
+    def total(self) -> sympy.Expr:
+        """Every byte the graph keeps for backward, each value once."""
+        return sympy.expand(sympy.Add(*self.size.values()))
 
     @staticmethod
     def flops(nodes: list[fx.Node]) -> sympy.Expr:
@@ -296,6 +352,9 @@ def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[s
         found = len(candidates)
         candidates = _worth_it(gm, candidates, deals, sizes or saved_tensors.PROBE)
         log.info("selective recomputation: %d of %d attention runs worth recomputing", len(candidates), found)
+    elif isinstance(choice, float):
+        deals = deals or Deals(gm, device_type)
+        candidates = _within_budget(gm, candidates, deals, choice, sizes or saved_tensors.PROBE)
     for nodes in candidates:  # (each region's freed bytes as the graph stood before any was outlined)
         closed = _closure(nodes)
         if closed is not None:
@@ -304,7 +363,7 @@ def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[s
     gm.graph.lint()
     gm.recompile()
     layers = sorted({r.layer for r in made})
-    kind = choice if isinstance(choice, str) else "blocks"
+    kind = choice if isinstance(choice, str) else f"budget {choice}" if isinstance(choice, float) else "blocks"
     summary = f"{len(made)} recompute regions in {len(layers)} layers ({kind})"
     return PassResult("recompute", bool(made), summary, value=made)
 

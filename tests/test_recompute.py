@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from test_dp_equivalence import assert_state_close
 
 import autoshard
+from autoshard import passes
 from autoshard.ir.meta import RECOMPUTE, evaluate_expr
-from autoshard.passes.recompute import Deals
 
 MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
     ({"dp": 4}, {}),
@@ -30,7 +30,7 @@ MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
 GRID = [
     (family, mesh, {**extra, "recompute": choice})
     for family in ("gpt2", "llama", "bert")
-    for choice in ("full", "selective")
+    for choice in ("full", "selective", 0.5)
     for mesh, extra in MESHES
 ]
 
@@ -73,7 +73,7 @@ def test_recompute_matches_single_device_sample(ranks, case: tuple[str, dict[str
 def test_dropout_masks_replay_exactly(ranks, family: str, mesh: dict[str, int], extra: dict[str, Any]) -> None:
     pool = ranks(_world(mesh))
     kept = pool.run(train_plan, family, mesh, extra, dropout=0.1)[0]
-    for choice in ("full", "selective"):
+    for choice in ("full", "selective", 0.5):
         recomputed = pool.run(train_plan, family, mesh, {**extra, "recompute": choice}, dropout=0.1)[0]
         assert recomputed["losses"] == kept["losses"], choice
         for key, value in kept["state"].items():
@@ -167,6 +167,7 @@ def _compile_gpt2(**plan: Any) -> autoshard.Program:
     ("plan", "message"),
     [
         ({"recompute": "some"}, "must be one of ('none', 'full', 'selective')"),
+        ({"recompute": 1.5}, "as a budget is the share of activation bytes to keep"),
         ({"recompute": ("transformer.h.7",)}, "the blocks are ['transformer.h.0', 'transformer.h.1']"),
         ({"microbatches": 3}, "does not divide the 4 rows"),
     ],
@@ -227,7 +228,39 @@ def test_selective_recomputes_what_the_kernels_keep(attention: str, dropout: flo
         assert "recompute selective frees nothing here" in explained
         # The kernel keeps q, k, v, its output and a log-sum-exp; recomputed, it would keep its inputs instead.
         graph = programs["none"].for_rank(0).graph_modules[0]
-        deals = Deals(graph, "cpu")
+        deals = passes.recompute.Deals(graph, "cpu")
         attention = next(n for n in graph.graph.nodes if "scaled_dot_product" in str(n.target))
         keeps = sum(evaluate_expr(size, {"B": 4, "S": 128}) for _, size in deals.saves[attention])
         assert 0 < evaluate_expr(deals.freed([attention]), {"B": 4, "S": 128}) < keeps / 2
+
+
+def test_a_recompute_budget_keeps_at_most_its_share() -> None:
+    """recompute=b keeps at most b of the bytes autograd would keep (the accounting), near b where the runs
+    between matmuls are fine enough, and a smaller budget repeats more forward FLOPs: cheap trades first."""
+    import transformers
+
+    from autoshard.planner.hardware import Hardware
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=256, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.1, attn_implementation="eager",
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
+    kept, repeated = {}, {}
+    for choice in ("none", 0.75, 0.5, 0.25, "full"):
+        torch.manual_seed(0)
+        program = autoshard.compile(
+            transformers.GPT2LMHeadModel(config), 1, example_inputs=(ids,),
+            example_kwargs={"labels": ids, "use_cache": False}, plan={"recompute": choice},
+            hardware=Hardware.preset("cpu"),
+        )  # fmt: skip
+        kept[choice] = program.cost.saved_for_backward[0][1].evaluate(B=4, S=256)["kept"]
+        gm = program.for_rank(0).graph_modules[0]
+        regions = [n.meta[RECOMPUTE] for n in gm.graph.nodes if RECOMPUTE in n.meta]
+        repeated[choice] = sum(evaluate_expr(r.flops, {"B": 4, "S": 256}) for r in regions)
+    for budget in (0.75, 0.5, 0.25):
+        assert kept[budget] <= budget * kept["none"], budget
+    for budget in (0.75, 0.5):
+        assert kept[budget] >= 0.85 * budget * kept["none"], budget
+    assert 0 < repeated[0.75] < repeated[0.5] < repeated[0.25] < repeated["full"]

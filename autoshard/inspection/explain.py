@@ -101,7 +101,14 @@ def _saved_for_backward(program: Program) -> list[str]:
     plan, sizes = program.plan, dict(program.plan_report.sizes)
     rows = sizes["B"] // plan.dp // plan.microbatches
     at = {**sizes, "B": rows}
-    recompute = plan.recompute if isinstance(plan.recompute, str) else "blocks " + ", ".join(plan.recompute)
+    recompute = plan.recompute
+    recompute = (
+        "blocks " + ", ".join(recompute)
+        if isinstance(recompute, tuple)
+        else f"budget {recompute}"
+        if (isinstance(recompute, float))
+        else recompute
+    )
     lines = [
         f"saved for backward (passes.saved_tensors; recompute {recompute}), per graph call of B={rows} rows"
         + (f", S={at['S']}" if "S" in at else "")

@@ -369,8 +369,8 @@ class Costing:
         return flops * plan.tp * plan.dp * plan.microbatches
 
 
-def _choice(recompute: Any, layer: str) -> str:
-    if isinstance(recompute, str):
+def _choice(recompute: Any, layer: str) -> Any:
+    if isinstance(recompute, (str, float)):  # a budget: each block its share (the budget of its own bytes)
         return recompute if layer not in ("pre", "post") else "none"
     return "full" if layer in recompute else "none"
 

@@ -86,7 +86,9 @@ class Plan:
                       all-reduces of tensor parallelism become all-gathers and reduce-scatters
     recompute         activations recomputed in backward instead of kept: "none"; "full" (each block keeps only
                       its input); "selective" (keep the outputs of matmuls with weights and of communication,
-                      recompute attention, norms, dropout and pointwise ops); or a tuple of block names (full
+                      recompute attention, norms, dropout and pointwise ops, where that frees memory); a budget
+                      in (0, 1): keep at most that share of the bytes autograd would keep, recomputing what frees
+                      the most bytes per FLOP first (passes/recompute.py); or a tuple of block names (full
                       recomputation of just those blocks)
     dropout_masks     "per_rank": each rank draws its own dropout masks (fast); "single_device": every rank
                       draws each mask for the global batch as one device would and keeps its slice, so
@@ -112,7 +114,7 @@ class Plan:
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
     sequence_parallel: bool = False
-    recompute: str | tuple[str, ...] = "none"
+    recompute: str | float | tuple[str, ...] = "none"
     dropout_masks: str = "per_rank"
     autocast: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -176,9 +178,16 @@ class Plan:
             if not self.recompute or not all(isinstance(b, str) for b in self.recompute):
                 raise PlanError(f"plan field recompute={self.recompute!r} must name blocks (e.g. ('transformer.h.0',))")
             object.__setattr__(self, "recompute", tuple(self.recompute))
+        elif isinstance(self.recompute, float):
+            if not 0.0 < self.recompute < 1.0:
+                raise PlanError(
+                    f"plan field recompute={self.recompute!r} as a budget is the share of activation bytes to keep: "
+                    f"between 0 and 1, both excluded (recompute='full' keeps the least)"
+                )
         elif self.recompute not in RECOMPUTE:
             raise PlanError(
-                f"plan field recompute={self.recompute!r} must be one of {RECOMPUTE} or a tuple of block names"
+                f"plan field recompute={self.recompute!r} must be one of {RECOMPUTE}, a budget between 0 and 1 (the "
+                f"share of activation bytes to keep) or a tuple of block names"
             )
         if self.dropout_masks not in DROPOUT_MASKS:
             raise PlanError(f"plan field dropout_masks={self.dropout_masks!r} must be one of {DROPOUT_MASKS}")
@@ -270,7 +279,7 @@ class Plan:
             if getattr(self, name) is not None:
                 parts.append(f"{name}={str(getattr(self, name)).removeprefix('torch.')}")
         if self.recompute != "none":
-            parts.append(f"recompute={self.recompute if isinstance(self.recompute, str) else list(self.recompute)}")
+            parts.append(f"recompute={list(self.recompute) if isinstance(self.recompute, tuple) else self.recompute}")
         return "Plan(" + ", ".join(parts) + ")"
 
 
