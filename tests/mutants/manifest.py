@@ -890,4 +890,18 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_recompute.py"],
         "k": "kernels_keep",
     },
+    {
+        "name": "120_recompute_budget_read_as_the_share_to_free",
+        "file": "passes/recompute.py",
+        "why": "a recompute budget is taken as the share of bytes to free, not to keep",
+        "tests": ["tests/test_recompute.py"],
+        "k": "budget_keeps",
+    },
+    {
+        "name": "121_recompute_budget_drops_what_it_needs",
+        "file": "passes/recompute.py",
+        "why": "the budget's pruning drops regions the budget needs, keeping more than the budget",
+        "tests": ["tests/test_recompute.py"],
+        "k": "budget_keeps",
+    },
 ]
