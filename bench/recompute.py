@@ -20,7 +20,7 @@ from allocations import allocation_trace, caching_allocator
 import autoshard
 from autoshard.planner.hardware import Hardware
 
-CHOICES = ("none", "selective", "full")
+CHOICES: tuple[Any, ...] = ("none", "selective", "full")
 
 
 def _gpt(
@@ -43,7 +43,7 @@ def _gpt(
 
 
 def _build(
-    choice: str,
+    choice: Any,
     batch: int,
     seq: int,
     layers: int,
@@ -146,6 +146,12 @@ def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512)
         for label, times in (("dropout 0.1", seconds), ("dropout 0", plain)):
             report(f"{described}, {label}: step time, recompute {choice} / none", f"{times[choice] * 1e3:.0f} ms",
                    f"{times['none'] * 1e3:.0f} ms", times[choice] / times["none"], f"<= {ceiling}")  # fmt: skip
+    # Budgets: what the allocator sees a forward keep, against the budget's share of what no recomputation keeps.
+    for budget in (0.75, 0.5, 0.25):
+        kept = _kept(_build(budget, batch, seq, layers, width, heads))
+        report(f"{name}, recompute budget {budget}: activation bytes kept (allocator) / (budget x none's)",
+               f"{kept / 2**20:.1f} MiB", f"{budget * none['kept'] / 2**20:.1f} MiB", kept / (budget * none["kept"]),
+               "0.9 .. 1.0")  # fmt: skip
     # Fused attention (scaled_dot_product_attention without dropout keeps q, k, v, its output and a log-sum-exp):
     # selective recomputation weighs what the kernel keeps and keeps it, so it costs what no recomputation does.
     fused = {c: _build(c, batch, seq, layers, width, heads, 0.0, "sdpa") for c in ("none", "selective")}
