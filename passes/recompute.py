@@ -146,9 +146,10 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
         layer = get_layer(node)
-        if layer not in chosen and USER_RECOMPUTE in node.meta:
+        own = USER_RECOMPUTE in node.meta and (layer not in chosen or fine)  # the model's own checkpoint, whole
+        if own:
             user.setdefault(node.meta[USER_RECOMPUTE], []).append(node)
-        inside = layer in chosen and node.target not in _NEVER and not (fine and _kept(node))
+        inside = layer in chosen and node.target not in _NEVER and not (fine and (_kept(node) or own))
         if inside and layer == key:
             runs[-1].append(node)
             in_run.add(node)
@@ -267,6 +268,9 @@ def _worth_it(gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, sizes
     chosen = []
     for run in runs:
         layer = get_layer(run[0])
+        if USER_RECOMPUTE in run[0].meta:  # the model's own checkpoint: every choice honours it
+            chosen.append(run)
+            continue
         if layer not in of_block:
             block = [n for n in gm.graph.nodes if n.op == "call_function" and get_layer(n) == layer]
             block = [n for n in block if n.target not in _NEVER]

@@ -266,3 +266,15 @@ def test_a_recompute_budget_keeps_at_most_its_share() -> None:
     for budget in (0.75, 0.5):
         assert kept[budget] >= 0.85 * budget * kept["none"], budget
     assert 0 < repeated[0.75] < repeated[0.5] < repeated[0.25] < repeated["full"]
+
+
+@pytest.mark.parametrize("choice", ["selective", 0.5, "full"])
+def test_every_choice_keeps_the_models_own_checkpoints(choice: Any) -> None:
+    """A model's torch.utils.checkpoint regions stay regions under every choice: selective recomputation and a
+    budget, which weigh runs between matmuls, do not take them apart or drop them."""
+    model, batches = _checkpointed_case()
+    x, y = batches[0]
+    program = autoshard.compile(model, 1, example_inputs=(x,), loss_fn=_cross_entropy, example_target=y,
+                                plan={"recompute": choice})  # fmt: skip
+    gm = program.for_rank(0).graph_modules[0]
+    assert sum(RECOMPUTE in n.meta for n in gm.graph.nodes) == 3
