@@ -904,4 +904,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_recompute.py"],
         "k": "budget_keeps",
     },
+    {
+        "name": "122_selective_takes_the_models_checkpoints_apart",
+        "file": "passes/recompute.py",
+        "why": "selective recomputation and budgets weigh a model's own checkpointed regions as runs, dropping them",
+        "tests": ["tests/test_recompute.py"],
+        "k": "own_checkpoints",
+    },
 ]
