@@ -84,6 +84,7 @@ GRID = [
     ("llama", {"tp": 4}, {}),
     ("gpt2", {"dp": 2, "pp": 2}, {"microbatches": 2}),
     ("llama", {"pp": 2, "dp": 2}, {"microbatches": 2, "schedule": "gpipe"}),
+    ("llama", {"dp": 4}, {"recompute": 0.5}),
 ]
 
 
