@@ -176,49 +176,55 @@ def _within_budget(
     gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, budget: float, sizes: dict[str, int]
 ) -> list[list[fx.Node]]:
     """What to recompute so that at most ``budget`` of the bytes autograd keeps stay kept, at the least FLOPs
-    repeated: the runs between kept matmuls in order of bytes freed per FLOP, then, where those do not free
-    enough, whole blocks in the same order (each replacing its runs). A greedy knapsack on the accounting of
-    what each op keeps (Checkmate, Jain et al. 2020, solves it exactly as an ILP); the model's own
-    checkpointed regions always stay."""
+    repeated. The candidates are the spans of each block (what "full" recomputes of it) that start at its
+    start or just after a kept matmul and end just before or at a kept matmul or at its end: the runs between
+    matmuls, halves of a block, the whole block. Greedy on the accounting, best bytes freed per FLOP first (or
+    the cheapest span that meets the budget, where that costs no more), a span taking the place of the spans
+    inside it; then the worst trades the budget holds without are dropped. (Checkmate, Jain et al. 2020,
+    solves it exactly as an ILP.) The model's own checkpointed regions always stay."""
     at = lambda expr: evaluate_expr(expr, sizes)  # noqa: E731
     need = at(deals.total()) * (1.0 - budget)
     user = [r for r in runs if USER_RECOMPUTE in r[0].meta]
-    scored = [(at(deals.freed(r)), at(deals.flops(r)), r) for r in runs if USER_RECOMPUTE not in r[0].meta]
-    scored = sorted((x for x in scored if x[0] > 0), key=lambda x: -x[0] / max(x[1], 1.0))
-    taken, freed = [], sum(at(deals.freed(r)) for r in user)
-    for gain, _, run in scored:
-        if freed >= need:
-            break
-        taken.append(run)
-        freed += gain
-    whole: list[list[fx.Node]] = []
-    if freed < need:
-        by_block: dict[str, list[list[fx.Node]]] = {}  # what "full" recomputes of each block
-        for run in _candidates(gm, "full"):
-            by_block.setdefault(get_layer(run[0]), []).append(run)
-        options = []
-        for layer, parts in by_block.items():
-            nodes = [n for run in parts for n in run]
-            mine = [r for r in taken if get_layer(r[0]) == layer]
-            gain = at(deals.freed(nodes)) - sum(at(deals.freed(r)) for r in mine)
-            cost = at(deals.flops(nodes)) - sum(at(deals.flops(r)) for r in mine)
-            if gain > 0:
-                options.append((gain / max(cost, 1.0), gain, layer, parts))
-        for _, gain, layer, parts in sorted(options, key=lambda x: -x[0]):
-            if freed >= need:
-                break
-            whole += parts
-            taken = [r for r in taken if get_layer(r[0]) != layer]
-            user = [r for r in user if get_layer(r[0]) != layer]
-            freed += gain
+    freed = sum(at(deals.freed(r)) for r in user)
+    spans = []  # (block run, first, last, nodes, bytes freed, FLOPs)
+    for index, run in enumerate(_candidates(gm, "full")):
+        kept = [i for i, n in enumerate(run) if _kept(n)]
+        for lo in [0, *(i + 1 for i in kept)]:
+            for hi in sorted({*kept, *(i - 1 for i in kept), len(run) - 1}):
+                nodes = run[lo : hi + 1]
+                if lo <= hi and not any(USER_RECOMPUTE in n.meta for n in nodes):
+                    gain = at(deals.freed(nodes))
+                    if gain > 0:
+                        spans.append((index, lo, hi, nodes, gain, at(deals.flops(nodes))))
+    chosen: list[tuple] = []
+    while freed < need:
+        best = finish = None  # the best trade; the cheapest span that meets the budget alone
+        for span in spans:
+            overlapping = [c for c in chosen if c[0] == span[0] and c[1] <= span[2] and span[1] <= c[2]]
+            if span in chosen or any(not (span[1] <= c[1] and c[2] <= span[2]) for c in overlapping):
+                continue  # taken, or it would cut a taken span apart
+            gain = span[4] - sum(c[4] for c in overlapping)
+            cost = span[5] - sum(c[5] for c in overlapping)
+            if gain <= 0:
+                continue
+            if best is None or gain / max(cost, 1.0) > best[0]:
+                best = (gain / max(cost, 1.0), span, overlapping, gain)
+            if freed + gain >= need and (finish is None or cost < finish[0]):
+                finish = (cost, span, overlapping, gain)
+        if best is None:
+            break  # everything recomputable is: the budget cannot be met
+        # Finish now where that costs no more than going on at the best trade would.
+        pick = finish if finish is not None and finish[0] <= (need - freed) / best[0] else best
+        chosen = [c for c in chosen if c not in pick[2]] + [pick[1]]
+        freed += pick[3]
     # Greedy overshoots: drop what the budget holds without, the worst trades first (fewer FLOPs repeated, and
     # the bytes kept closer to the budget).
-    for run in sorted(taken, key=lambda r: at(deals.freed(r)) / max(at(deals.flops(r)), 1.0)):
-        if freed - at(deals.freed(run)) >= need:
-            taken.remove(run)
-            freed -= at(deals.freed(run))
+    for span in sorted(chosen, key=lambda c: c[4] / max(c[5], 1.0)):
+        if freed - span[4] >= need:
+            chosen.remove(span)
+            freed -= span[4]
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted([*whole, *taken, *user], key=lambda r: position[r[0]])
+    return sorted([*user, *(c[3] for c in chosen)], key=lambda r: position[r[0]])
 
 
 class Deals:
