@@ -178,10 +178,9 @@ def _within_budget(
     """What to recompute so that at most ``budget`` of the bytes autograd keeps stay kept, at the least FLOPs
     repeated. The candidates are the spans of each block (what "full" recomputes of it) that start at its
     start or just after a kept matmul and end just before or at a kept matmul or at its end: the runs between
-    matmuls, halves of a block, the whole block. Greedy on the accounting, best bytes freed per FLOP first (or
-    the cheapest span that meets the budget, where that costs no more), a span taking the place of the spans
-    inside it; then the worst trades the budget holds without are dropped. (Checkmate, Jain et al. 2020,
-    solves it exactly as an ILP.) The model's own checkpointed regions always stay."""
+    matmuls, halves of a block, the whole block. Greedy on the accounting, best bytes freed per FLOP first, a
+    span taking the place of the spans inside it; then the worst trades the budget holds without are dropped.
+    (Checkmate, Jain et al. 2020, solves it exactly as an ILP.) The model's own checkpointed regions stay."""
     at = lambda expr: evaluate_expr(expr, sizes)  # noqa: E731
     need = at(deals.total()) * (1.0 - budget)
     user = [r for r in runs if USER_RECOMPUTE in r[0].meta]
@@ -198,7 +197,7 @@ def _within_budget(
                         spans.append((index, lo, hi, nodes, gain, at(deals.flops(nodes))))
     chosen: list[tuple] = []
     while freed < need:
-        best = finish = None  # the best trade; the cheapest span that meets the budget alone
+        best = None
         for span in spans:
             overlapping = [c for c in chosen if c[0] == span[0] and c[1] <= span[2] and span[1] <= c[2]]
             if span in chosen or any(not (span[1] <= c[1] and c[2] <= span[2]) for c in overlapping):
@@ -209,14 +208,10 @@ def _within_budget(
                 continue
             if best is None or gain / max(cost, 1.0) > best[0]:
                 best = (gain / max(cost, 1.0), span, overlapping, gain)
-            if freed + gain >= need and (finish is None or cost < finish[0]):
-                finish = (cost, span, overlapping, gain)
         if best is None:
             break  # everything recomputable is: the budget cannot be met
-        # Finish now where that costs no more than going on at the best trade would.
-        pick = finish if finish is not None and finish[0] <= (need - freed) / best[0] else best
-        chosen = [c for c in chosen if c not in pick[2]] + [pick[1]]
-        freed += pick[3]
+        chosen = [c for c in chosen if c not in best[2]] + [best[1]]
+        freed += best[3]
     # Greedy overshoots: drop what the budget holds without, the worst trades first (fewer FLOPs repeated, and
     # the bytes kept closer to the budget).
     for span in sorted(chosen, key=lambda c: c[4] / max(c[5], 1.0)):
