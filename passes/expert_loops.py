@@ -107,9 +107,11 @@ class Expert:
         weights = {a: _weight(a) for a in node.all_input_nodes if a not in members}
         if any(w is None for w in weights.values()):
             return False  # reads an activation from outside the expert
-        if op in ROW_MATMULS:
-            args = node.args
-            if len(args) <= ROW_MATMULS[op] or args[ROW_MATMULS[op]] not in members:
+        if op in ROW_MATMULS:  # the rows times weights: a second operand from the rows would mix them
+            rows = ROW_MATMULS[op]
+            if len(node.args) <= rows or node.args[rows] not in members:
+                return False
+            if any(a in members for i, a in enumerate(node.args) if i != rows and isinstance(a, fx.Node)):
                 return False
         elif op is operator.getitem or op in CHECKS or op in SPLITS and _feature_dim(node):
             pass
