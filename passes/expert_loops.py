@@ -39,13 +39,16 @@ from autoshard.sharding.pointwise import RULES as POINTWISE_RULES
 
 from .infra import mark_inserted
 
-__all__ = ["LoopLayer", "find_loops", "rewrite_loop"]
+__all__ = ["CHECKS", "ELEMENTWISE", "SPLITS", "WEIGHT_VIEWS", "LoopLayer", "feature_dim", "find_loops", "rewrite_loop"]
 
 aten = torch.ops.aten
-WEIGHT_VIEWS = {aten.t, aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias}
+# What both forms (expert_parallel.py's grouped matmuls, and loops here) take as computed row by row.
+# Ops a weight passes through on its way to the experts' matmuls, as long as its leading dimension stays first.
+WEIGHT_VIEWS = {aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias}
 SPLITS = {aten.chunk, aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_chunk}
-ELEMENTWISE = {aten.square, aten.relu_, aten.silu_, aten.gelu_}
 CHECKS = {aten._assert_tensor_metadata}
+# Elementwise ops without a sharding rule that experts' activations use (squared ReLU: Nemotron-H).
+ELEMENTWISE = {aten.square, aten.relu_, aten.silu_, aten.gelu_}
 # Ops that take rows of the region first and weights after: each output row reads one input row.
 ROW_MATMULS = {aten.linear: 0, aten.mm: 0, aten.matmul: 0, aten.addmm: 1}
 
@@ -67,7 +70,7 @@ def _expert_of(token: object) -> tuple[fx.Node, int] | None:
 
 def _weight(node: fx.Node) -> fx.Node | None:
     """The trainable get_attr a value reads through views, or None."""
-    while node.op == "call_function" and packet(node.target) in WEIGHT_VIEWS:
+    while node.op == "call_function" and packet(node.target) in WEIGHT_VIEWS | {aten.t}:  # a 2-D weight's t()
         node = node.args[0]
     return node if node.op == "get_attr" and get_shape(node).requires_grad else None
 
@@ -113,7 +116,7 @@ class Expert:
                 return False
             if any(a in members for i, a in enumerate(node.args) if i != rows and isinstance(a, fx.Node)):
                 return False
-        elif op is operator.getitem or op in CHECKS or op in SPLITS and _feature_dim(node):
+        elif op is operator.getitem or op in CHECKS or op in SPLITS and feature_dim(node):
             pass
         elif node.target in POINTWISE_RULES or op in ELEMENTWISE:
             ndim = len(get_shape(node).tensors[0].sizes)
@@ -146,9 +149,11 @@ class Expert:
         return [(n.target, arg(n.args), arg(dict(n.kwargs).items())) for n in self.nodes]
 
 
-def _feature_dim(node: fx.Node) -> bool:
+def feature_dim(node: fx.Node) -> bool:
+    """Whether a split runs along the features (each row split apart), not along the rows."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return dim % len(get_shape(node.args[0]).tensor.sizes) != 0
+    ndim = len(get_shape(node.args[0]).tensor.sizes)
+    return ndim >= 2 and dim % ndim != 0
 
 
 class LoopLayer:

@@ -40,7 +40,7 @@ from autoshard.ir.meta import EXPERT, LAYER, SHAPE, ExpertLayer, ExpertSplit, No
 from autoshard.ir.ops import packet
 from autoshard.sharding.pointwise import RULES as POINTWISE_RULES
 
-from .expert_loops import find_loops, rewrite_loop
+from .expert_loops import CHECKS, ELEMENTWISE, SPLITS, WEIGHT_VIEWS, feature_dim, find_loops, rewrite_loop
 from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
 
 __all__ = ["GROUPED_MATMULS", "PASS", "RUNTIME_ATTR", "find_layers", "find_loops", "is_grouped_mm", "run"]
@@ -49,12 +49,6 @@ RUNTIME_ATTR = "ep"
 aten = torch.ops.aten
 # transformers' op is keyed by name: importing transformers is not this pass's business.
 GROUPED_MATMULS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
-# Ops a weight passes through on its way to a grouped matmul, as long as dim 0 (the experts) stays first.
-WEIGHT_VIEWS = {aten.transpose, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias}
-SPLITS = {aten.chunk, aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_chunk}
-CHECKS = {aten._assert_tensor_metadata}
-# Elementwise ops without a sharding rule that experts' activations use (squared ReLU: Nemotron-H).
-ELEMENTWISE = {aten.square, aten.relu_, aten.silu_, aten.gelu_}
 
 
 def is_grouped_mm(node: fx.Node) -> bool:
@@ -128,7 +122,7 @@ class Layer:
         for node in region:
             op = packet(node.target)
             if node.op != "call_function" or not (
-                is_grouped_mm(node) or op in CHECKS or op is operator.getitem or op in SPLITS and _feature_dim(node)
+                is_grouped_mm(node) or op in CHECKS or op is operator.getitem or op in SPLITS and feature_dim(node)
                 or (node.target in POINTWISE_RULES or op in ELEMENTWISE) and not _broadcasts_rows(node)
             ):  # fmt: skip
                 raise self.refuse(node, "is not computed row by row")
@@ -139,12 +133,6 @@ class Layer:
                 outside = next(u for u in node.users if u not in inside)
                 raise self.refuse(node, f"is read by {outside.name} outside the experts")
         return region
-
-
-def _feature_dim(node: fx.Node) -> bool:
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    ndim = len(get_shape(node.args[0]).tensor.sizes)
-    return ndim >= 2 and dim % ndim != 0
 
 
 def _broadcasts_rows(node: fx.Node) -> bool:

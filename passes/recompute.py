@@ -265,17 +265,19 @@ def _worth_it(gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, sizes
     """The attention runs that free at least as many bytes per FLOP repeated as recomputing their whole block
     does (what "full" trades): an attention whose kernel keeps its score matrices is recomputed; a fused one,
     which keeps its inputs and a log-sum-exp, frees almost nothing for a second attention forward and is kept."""
-    of_block: dict[str, tuple[float, float]] = {}
+    blocks: dict[str, list[fx.Node]] = {}  # what "full" recomputes of each block
+    for run in _candidates(gm, "full"):
+        blocks.setdefault(get_layer(run[0]), []).extend(run)
+    of_block = {
+        layer: (evaluate_expr(deals.freed(nodes), sizes), evaluate_expr(deals.flops(nodes), sizes))
+        for layer, nodes in blocks.items()
+    }
     chosen = []
     for run in runs:
         layer = get_layer(run[0])
         if USER_RECOMPUTE in run[0].meta:  # the model's own checkpoint: every choice honours it
             chosen.append(run)
             continue
-        if layer not in of_block:
-            block = [n for n in gm.graph.nodes if n.op == "call_function" and get_layer(n) == layer]
-            block = [n for n in block if n.target not in _NEVER]
-            of_block[layer] = (evaluate_expr(deals.freed(block), sizes), evaluate_expr(deals.flops(block), sizes))
         freed, flops = evaluate_expr(deals.freed(run), sizes), evaluate_expr(deals.flops(run), sizes)
         block_freed, block_flops = of_block[layer]
         if freed > 0 and (block_freed <= 0 or freed * block_flops >= block_freed * flops):

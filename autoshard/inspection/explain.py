@@ -102,13 +102,10 @@ def _saved_for_backward(program: Program) -> list[str]:
     rows = sizes["B"] // plan.dp // plan.microbatches
     at = {**sizes, "B": rows}
     recompute = plan.recompute
-    recompute = (
-        "blocks " + ", ".join(recompute)
-        if isinstance(recompute, tuple)
-        else f"budget {recompute}"
-        if (isinstance(recompute, float))
-        else recompute
-    )
+    if isinstance(recompute, tuple):
+        recompute = "blocks " + ", ".join(recompute)
+    elif isinstance(recompute, float):
+        recompute = f"budget {recompute}"
     lines = [
         f"saved for backward (passes.saved_tensors; recompute {recompute}), per graph call of B={rows} rows"
         + (f", S={at['S']}" if "S" in at else "")
