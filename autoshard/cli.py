@@ -36,8 +36,10 @@ def parse_mesh(text: str) -> Any:
     degrees: dict[str, int] = {}
     for part in text.split(","):
         name, eq, value = part.strip().partition("=")
-        if not eq or name not in ("dp", "tp", "pp") or not value.isdigit() or int(value) < 1 or name in degrees:
-            raise CliError(f"--mesh {text!r} does not parse: write degrees as dp=2,tp=2,pp=2 (each once, positive)")
+        if not eq or name not in ("dp", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1 or name in degrees:
+            raise CliError(
+                f"--mesh {text!r} does not parse: write degrees as dp=2,tp=2,pp=2 (or cp=2; each once, positive)"
+            )
         degrees[name] = int(value)
     return Mesh(**degrees)
 

@@ -15,6 +15,7 @@ from torch import fx
 from . import (
     autocast_asserts,
     batch_statistics,
+    context_parallel,
     cost_model,
     dropout_masks,
     expert_parallel,
@@ -46,6 +47,7 @@ __all__ = [
     "autocast_asserts",
     "batch_statistics",
     "check_graph",
+    "context_parallel",
     "cost_model",
     "dropout_masks",
     "expert_parallel",
@@ -70,6 +72,7 @@ ANALYSES = (shape_prop.PASS, layer_assign.PASS, cost_model.PASS)
 ALL = (
     *ANALYSES,
     autocast_asserts.PASS,
+    context_parallel.PASS,
     expert_parallel.PASS,
     batch_statistics.PASS,
     tp_placement.PASS,

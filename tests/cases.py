@@ -99,8 +99,9 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
     if family == "gpt2":
         cfg = transformers.GPT2Config(
             n_layer=layers, n_embd=shape.get("width", 32), n_head=shape.get("heads", 4),
-            vocab_size=shape.get("vocab", VOCAB), n_positions=32, resid_pdrop=shape.get("dropout", 0.0),
-            embd_pdrop=shape.get("dropout", 0.0), attn_pdrop=shape.get("dropout", 0.0), bos_token_id=0, eos_token_id=0,
+            vocab_size=shape.get("vocab", VOCAB), n_positions=shape.get("positions", 32),
+            resid_pdrop=shape.get("dropout", 0.0), embd_pdrop=shape.get("dropout", 0.0),
+            attn_pdrop=shape.get("dropout", 0.0), bos_token_id=0, eos_token_id=0,
             attn_implementation=shape.get("attention"),
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
@@ -108,7 +109,7 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
         cfg = transformers.LlamaConfig(
             num_hidden_layers=layers, hidden_size=32, num_attention_heads=8,
             num_key_value_heads=shape.get("kv_heads", 4),
-            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
+            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=shape.get("positions", 32),
             bos_token_id=0, eos_token_id=0, pad_token_id=0, attention_dropout=shape.get("dropout", 0.0),
             attn_implementation=shape.get("attention"),
         )  # fmt: skip
@@ -116,8 +117,9 @@ def _build_model(family: str, seed: int, **shape: Any) -> nn.Module:
     if family == "bert":
         cfg = transformers.BertConfig(
             num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=shape.get("dropout", 0.0),
-            attention_probs_dropout_prob=shape.get("dropout", 0.0), pad_token_id=0,
+            vocab_size=VOCAB, max_position_embeddings=shape.get("positions", 32),
+            hidden_dropout_prob=shape.get("dropout", 0.0), attention_probs_dropout_prob=shape.get("dropout", 0.0),
+            pad_token_id=0,
             attn_implementation=shape.get("attention"),
         )  # fmt: skip
         return transformers.BertForMaskedLM(cfg)
@@ -162,7 +164,7 @@ def _build_case(family: str, steps: int, seed: int, batch: int, **shape: Any) ->
             labels = torch.randint(0, model.config.num_labels, (batch,), generator=gen)
             batches.append(Batch(inputs=(pixels,), kwargs={"labels": labels}))
         else:
-            ids = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
+            ids = torch.randint(1, VOCAB, (batch, shape.get("seq", SEQ)), generator=gen)
             kwargs: dict[str, Any] = {"labels": ids.clone()}
             takes_cache = "use_cache" in inspect.signature(model.forward).parameters
             if family in ("gpt2", "llama", "mixtral_aux") or family.startswith("hf:") and takes_cache:

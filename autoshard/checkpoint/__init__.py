@@ -56,7 +56,7 @@ def _rng_state(rt: RankRuntime) -> dict[str, torch.Tensor]:
 
 
 def _mesh_of(rt: RankRuntime) -> dict[str, int]:
-    return {"dp": rt.mesh.dp, "tp": rt.mesh.tp, "pp": rt.mesh.pp}
+    return {"dp": rt.mesh.dp, "cp": rt.mesh.cp, "tp": rt.mesh.tp, "pp": rt.mesh.pp}
 
 
 def _jsonable(value: Any) -> Any:
@@ -217,7 +217,7 @@ def load(rt: RankRuntime, path: str | os.PathLike) -> dict | None:
                 for name in names
             }
         regions += held.optimizer_regions(rt, states)
-    same_mesh = info["world_size"] == rt.mesh.size and info["mesh"] == _mesh_of(rt)
+    same_mesh = info["world_size"] == rt.mesh.size and {"cp": 1, **info["mesh"]} == _mesh_of(rt)
     mine = f"rng.{rt.rank}."
     rng = {  # every generator this rank saved, including streams this program has not drawn from yet
         fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -4,6 +4,7 @@ Each step is a pass and the condition under which it runs, in the order the grap
 pass manager (passes/infra.py ``run_steps``) runs them and logs each result:
 
     autocast_asserts              the plan computes under autocast: drop export's dtype checks
+    context_parallel              cp > 1: each rank's tokens, ring attention, the loss over every token
     expert_parallel               ep > 1: split the experts, dispatch and combine each layer's rows
     batch_statistics              dp > 1: statistics of the batch that reach only the loss, over every dp rank
     tp_placement, tp_rewrite      tp > 1: shard the weights, insert the collectives and local sizes
@@ -35,6 +36,7 @@ from autoshard.spec.plan import splits_backward
 
 if TYPE_CHECKING:
     from autoshard.ir.meta import MaskSpec
+    from autoshard.passes.context_parallel import CpReport
     from autoshard.passes.pipeline_stages import StageGraph
     from autoshard.passes.saved_tensors import ActivationMemory
     from autoshard.passes.tp_placement import TpReport
@@ -63,10 +65,17 @@ class Build:
     saved: list[tuple[str, ActivationMemory]] = field(default_factory=list)
     schedule: Schedule | None = None  # the pipeline's (None without one)
     experts: ExpertSplit = field(default_factory=ExpertSplit)  # the expert weights that ep splits
+    cp_report: CpReport | None = None
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
         return [s.gm for s in self.stages] or [self.gm]
+
+
+def _context_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
+    result = run_pass(passes.context_parallel.PASS, gm, b.plan.cp, b.sizes)
+    b.cp_report = result.value
+    return result
 
 
 def _expert_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
@@ -140,6 +149,7 @@ def _saved_tensors(b: Build, gm: fx.GraphModule) -> PassResult:
 STEPS: tuple[Step[Build], ...] = (
     Step(passes.autocast_asserts.PASS, lambda b: b.plan.autocast is not None,
          lambda b, gm: run_pass(passes.autocast_asserts.PASS, gm)),
+    Step(passes.context_parallel.PASS, lambda b: b.plan.cp > 1, _context_parallel),
     Step(passes.expert_parallel.PASS, lambda b: b.plan.ep > 1, _expert_parallel),
     Step(passes.batch_statistics.PASS, lambda b: b.plan.dp > 1,
          lambda b, gm: run_pass(passes.batch_statistics.PASS, gm, b.plan.dp)),

@@ -43,6 +43,8 @@ __all__ = [
     "ZERO_GROUP",
     "FlatSlot",
     "EXPERT",
+    "CP",
+    "CpPlacement",
     "ExpertLayer",
     "ExpertSplit",
     "get_expert",
@@ -87,6 +89,7 @@ MODEL_PREFIX = MODEL_ATTR + "."
     USER_RECOMPUTE,
     MASK,
     EXPERT,
+    CP,
 ) = (
     "autoshard.shape",
     "autoshard.layer",
@@ -103,6 +106,7 @@ MODEL_PREFIX = MODEL_ATTR + "."
     "autoshard.user_recompute",
     "autoshard.dropout_mask",
     "autoshard.expert",
+    "autoshard.cp",
 )
 
 # Who writes each key (torch.export writes "val" and "nn_module_stack" at capture).
@@ -124,6 +128,7 @@ PRODUCERS = {
     SAVED: "passes.saved_tensors",
     MASK: "passes.dropout_masks",
     EXPERT: "passes.expert_parallel",
+    CP: "passes.context_parallel",
 }
 
 
@@ -335,6 +340,18 @@ class TpPlacement:
     inputs: tuple[Any, ...]
     note: str = ""  # for people: why the rule chose this
     bias: str = ""  # a row-parallel matmul's bias: BIAS_AFTER_REDUCE or BIAS_SPLIT (else "")
+
+
+@dataclass(frozen=True)
+class CpPlacement:
+    """A value's placement along the cp mesh dimension: ``Shard(d)`` (this rank's tokens along d; ``merged``:
+    d is several dimensions flattened, the sequence innermost, as logits flattened to [batch x tokens, vocab]),
+    ``Replicate()`` (every token, or no sequence at all) or ``Partial()`` (a sum over tokens, each rank its
+    own tokens' part); and what the pass did there, for people."""
+
+    out: Any
+    merged: bool = False
+    note: str = ""
 
 
 # How a row-parallel matmul adds its bias (TpPlacement.bias): once after the all-reduce, or bias/tp on

@@ -156,7 +156,7 @@ class ParamPlacement:
             return True
         if self.expert:  # each ep rank's experts, once: on the first ranks holding them
             return coords["dp"] < ep
-        return coords["dp"] == 0
+        return coords["dp"] == 0 and coords.get("cp", 0) == 0
 
     def by_dim(self) -> dict[str, Placement]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}

@@ -49,7 +49,20 @@ def factorizations(world: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _context_degree(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> int:
+    """cp as the mesh or the plan fixes it (the search does not choose it yet): it divides the world."""
+    cp = world_or_mesh.cp if isinstance(world_or_mesh, Mesh) else overrides.get("cp", 1)
+    if isinstance(world_or_mesh, Mesh) and "cp" in overrides and overrides["cp"] != cp:
+        raise PlanError(
+            f"plan asks for cp={overrides['cp']} but the mesh has cp={cp}; drop cp from the plan or change the mesh"
+        )
+    if not isinstance(world_or_mesh, Mesh) and world_or_mesh % cp:
+        raise PlanError(f"cp={cp} does not divide the world size {world_or_mesh}; choose a cp that divides it")
+    return cp
+
+
 def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> list[tuple[int, int, int]]:
+    cp = _context_degree(world_or_mesh, overrides)
     if isinstance(world_or_mesh, Mesh):
         mesh = world_or_mesh
         for dim in ("dp", "tp", "pp"):
@@ -60,7 +73,9 @@ def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> list[tuple[
                 )
         return [(mesh.dp, mesh.tp, mesh.pp)]
     shapes = [
-        s for s in factorizations(world_or_mesh) if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s))
+        s
+        for s in factorizations(world_or_mesh // cp)
+        if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s))
     ]
     if not shapes:
         raise PlanError(
@@ -95,6 +110,7 @@ def enumerate_plans(
     refused = {} if refused is None else refused
     mixed = is_mixed_precision(overrides.get("param_dtype"))
     needs_zero = overrides.get("offload") or mixed
+    cp = overrides.get("cp", 1)
     for dp, tp, pp in shapes:
         if not fixed_mesh and not costing.allows(tp=tp, pp=pp):
             refused[costing.refusal(tp=tp, pp=pp) or ""] = None
@@ -111,7 +127,7 @@ def enumerate_plans(
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero, ep in ((z, e) for z in zeros for e in eps):
             for offload in _options("offload", overrides, [False, True] if zero else [False]):
-                if zero > 0 and dp == 1 and not offload and "zero" not in overrides:
+                if zero > 0 and dp * cp == 1 and not offload and "zero" not in overrides:
                     continue  # one rank: ZeRO shards nothing, but ZeRO-Offload still moves the optimizer out
                 for sp in _options("sequence_parallel", overrides, [False, True] if tp > 1 else [False]):
                     if sp and tp == 1:
@@ -124,6 +140,7 @@ def enumerate_plans(
                                 "dp": dp,
                                 "tp": tp,
                                 "pp": pp,
+                                "cp": cp,
                                 "ep": ep,
                                 "zero": zero,
                                 "offload": offload,
@@ -214,6 +231,8 @@ def choose_plan(
     Plan.check_overrides(overrides)
     shapes = _shapes(world_or_mesh, overrides)
     fixed_mesh = isinstance(world_or_mesh, Mesh)
+    if fixed_mesh and world_or_mesh.cp > 1:
+        overrides = {**overrides, "cp": world_or_mesh.cp}
     rows = sizes.get("B", 1)
     if fixed_mesh:
         _validate(world_or_mesh, overrides, rows)
@@ -301,7 +320,7 @@ def _in_search_order(plans: Iterable[Plan], fixed_mesh: bool, rows: int) -> Iter
 
 def _validate(mesh: Mesh, overrides: dict[str, Any], rows: int) -> None:
     """The fixed fields on this mesh, the rest at their defaults, make a valid plan (else Plan says why)."""
-    fields = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, **overrides}
+    fields = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, **overrides}
     if mesh.pp > 1 and "microbatches" not in fields:
         fields["microbatches"] = default_microbatches(rows // mesh.dp, mesh.pp, fields.get("schedule", "1f1b"))
     Plan(**fields)

@@ -14,6 +14,7 @@ per rank a step; the error says the fix.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,8 @@ def _groups(rt: RankRuntime) -> Iterator[tuple[int, list[int]]]:
     """(dp index, the ranks that train on its share): one tensor-parallel x pipeline block per dp rank."""
     mesh = rt.mesh
     for dp in range(mesh.dp):
-        yield dp, [mesh.rank_of(pp=p, dp=dp, tp=t) for p in range(mesh.pp) for t in range(mesh.tp)]
+        grid = itertools.product(range(mesh.pp), range(mesh.cp), range(mesh.tp))
+        yield dp, [mesh.rank_of(pp=p, dp=dp, cp=c, tp=t) for p, c, t in grid]
 
 
 def check_rows(rt: RankRuntime, flat: list[torch.Tensor]) -> None:

@@ -273,10 +273,10 @@ def rank_compiler(rt: RankRuntime) -> RankCompiler:
     plan, request = rt.plan, rt.compiled.torch_compile
     prefixes = {rt.tp.group_name: "tp_"} if rt.tp is not None else {}
     buckets = None
-    whole = plan.zero == 0 and plan.pp == 1 and plan.microbatches == 1 and plan.dp > 1
+    whole = plan.zero == 0 and plan.pp == 1 and plan.microbatches == 1 and plan.dp * plan.cp > 1
     if whole and request.rewrites_graphs and rt.dp_group is not None:
         # Expert groups reduce over the ranks holding the same experts, outside the graph.
         dense = {g: layout for g, layout in rt.holder.layouts.items() if g not in rt.holder.comms}
-        buckets = InGraphBuckets(dense, plan.dp, rt.dp_group.group_name, plan.reduce_dtype)
+        buckets = InGraphBuckets(dense, plan.dp * plan.cp, rt.dp_group.group_name, plan.reduce_dtype)
         rt.holder.in_graph = buckets.reduced
     return RankCompiler(request, rt.comm, prefixes, buckets)

@@ -135,7 +135,7 @@ class ForwardRunner:
         out_nodes = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
         sizes = dict(rt.channel.sizes)
         sizes["B"] = sizes.get("B", 1) * rt.schedule.microbatches
-        last = rt.mesh.rank_of(pp=rt.schedule.last_rank, dp=rt.coords["dp"], tp=rt.coords["tp"])
+        last = rt.mesh.rank_of(pp=rt.schedule.last_rank, dp=rt.coords["dp"], cp=rt.coords["cp"], tp=rt.coords["tp"])
         outputs = []
         for i, node in enumerate(out_nodes):
             shape = get_shape(node).tensor

@@ -20,6 +20,7 @@ optimizer steps and the holder writes the update back.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,11 +36,13 @@ from autoshard.distributed.groups import expert_groups, make_group, shared_group
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.batch_stats import BatchStatistics
+from autoshard.graph_ops.context import ContextParallel
 from autoshard.graph_ops.experts import on_native_kernel
 from autoshard.graph_ops.masks import SingleDeviceMasks
 from autoshard.graph_ops.pipeline import PipelineChannel
 from autoshard.ir.meta import GRAD_BUCKET, MODEL_PREFIX, ZERO3, get_grad_bucket, get_shape, get_zero3_gather
 from autoshard.ir.placements import ParamPlacement, Shard
+from autoshard.passes.context_parallel import RUNTIME_ATTR as CP_ATTR
 from autoshard.passes.dropout_masks import MASKS_ATTR
 from autoshard.passes.infra import all_nodes
 from autoshard.runtime.compiled import rank_compiler
@@ -56,6 +59,7 @@ from autoshard.runtime.optim import (
 from autoshard.runtime.pipeline import PipelineRunner, split_microbatches
 from autoshard.runtime.tensor_parallel import TensorParallel
 from autoshard.runtime.zero import Zero3Holder
+from autoshard.spec.mesh import REPLICAS
 
 if TYPE_CHECKING:
     from autoshard.compiler.compiled import Compiled
@@ -91,6 +95,7 @@ class RankRuntime:
         self.comm = comm
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         coords = self.coords = mesh.coords(self.rank)
+        self.replicas = mesh.degree(REPLICAS)  # the ranks holding the same parameters: dp x cp
         self.tensors = state_tensors(compiled)
         self.placement_of: dict[int, ParamPlacement] = {id(self.tensors[k]): p for k, p in compiled.placements.items()}
         first = next(iter(self.tensors.values()), torch.empty(0))
@@ -104,10 +109,15 @@ class RankRuntime:
         timeout = timedelta(seconds=compiled.timeout)
         self.world_group = shared_group(range(mesh.size), timeout) if distributed else None
         groups = (timeout, self.world_group)
-        self.dp_group = make_group(mesh, self.rank, "dp", *groups) if distributed else None
+        # Gradients are reduced over the ranks holding the same parameters: dp x cp (cp ranks hold other tokens).
+        self.dp_group = make_group(mesh, self.rank, REPLICAS, *groups) if distributed else None
         comm.group = self.dp_group
         tp_group = make_group(mesh, self.rank, "tp", *groups) if distributed and plan.tp > 1 else None
         self.pp_group = make_group(mesh, self.rank, "pp", *groups) if distributed and plan.pp > 1 else None
+        self.cp: ContextParallel | None = None
+        if distributed and plan.cp > 1:
+            cp_group = make_group(mesh, self.rank, "cp", *groups)
+            self.cp = ContextParallel(plan.cp, coords["cp"], mesh.group("cp", self.rank), cp_group, comm)
         self.ep: ExpertParallel | None = None
         self.expert_comm: CommCounter | None = None  # over the ranks that hold the same experts
         if distributed and plan.ep > 1:
@@ -118,12 +128,11 @@ class RankRuntime:
         self.ties: dict[tuple[int, ...], Any] = {}
         tied_sets = sorted({p.pp.ranks for p in compiled.placements.values() if p.tied})
         for pp_ranks in tied_sets:
-            for dp in range(mesh.dp):
-                for tp in range(mesh.tp):
-                    ranks = [mesh.rank_of(pp=r, dp=dp, tp=tp) for r in pp_ranks]
-                    group = shared_group(ranks, timeout)
-                    if self.rank in ranks:
-                        self.ties[pp_ranks] = group
+            for dp, cp, tp in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+                ranks = [mesh.rank_of(pp=r, dp=dp, cp=cp, tp=tp) for r in pp_ranks]
+                group = shared_group(ranks, timeout)
+                if self.rank in ranks:
+                    self.ties[pp_ranks] = group
         # 2. tensor parallelism
         self.tp = (
             TensorParallel.for_rank(mesh, self.rank, self.device, tp_group, comm)
@@ -143,13 +152,13 @@ class RankRuntime:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
                 masters.pop(id(tensor), None)
         # 4. every dp replica starts alike (the ranks holding the same experts, for experts)
-        if distributed and plan.dp > 1:
+        if distributed and mesh.degree(REPLICAS) > 1:
             experts = {id(t) for t in self.tensors.values() if self.placement_of[id(t)].expert}
             for expert in (False, True):
                 tensors = [t for t in dict.fromkeys(self.tensors.values()) if (id(t) in experts) == expert]
                 tensors += [m for key, m in masters.items() if (key in experts) == expert]
                 if not expert:
-                    self._broadcast(tensors, self.mesh.group("dp", self.rank)[0], self.dp_group)
+                    self._broadcast(tensors, self.mesh.group(REPLICAS, self.rank)[0], self.dp_group)
                 elif self.expert_comm is not None and plan.dp > plan.ep:
                     self._broadcast(tensors, mesh.expert_groups(self.rank, plan.ep)[1][0], self.expert_comm.group)
         # 5. the holder of this rank's flat groups (a loop's slots read this rank's experts); dropout masks
@@ -190,9 +199,11 @@ class RankRuntime:
             gm.add_submodule(MASKS_ATTR, self.masks)
         if self.ep is not None:
             gm.add_submodule(EP_ATTR, self.ep)
+        if self.cp is not None:
+            gm.add_submodule(CP_ATTR, self.cp)
         if hasattr(gm, STATS_ATTR) and self.dp_group is not None:  # statistics over the global batch
             funcol.register_counter(self.dp_group.group_name, self.comm)
-            gm.add_submodule(STATS_ATTR, BatchStatistics(self.plan.dp, self.dp_group.group_name))
+            gm.add_submodule(STATS_ATTR, BatchStatistics(self.replicas, self.dp_group.group_name))
 
     def _make_masks(self) -> SingleDeviceMasks:
         # Every rank follows rank 0's generator state at compile: what one device would draw from.
@@ -229,7 +240,7 @@ class RankRuntime:
 
     def _make_holder(self, masters: dict[int, torch.Tensor]) -> Holder:
         plan = self.plan
-        layouts = layouts_from_slots(self._slots(), plan.dp, self.coords["dp"])
+        layouts = layouts_from_slots(self._slots(), self.replicas, self.mesh.replica_index(self.rank))
         comms = {}
         for g, layout in layouts.items():
             if self.placement_of[id(layout.params[0])].expert and self.expert_comm is not None:
@@ -246,7 +257,7 @@ class RankRuntime:
         order = sorted(layouts, key=lambda g: (finish.index(owner[g]), g))
         initial = {g: lay.own(lay.flatten(torch.float32, masters)).clone() for g, lay in layouts.items()}
         initial = initial if masters else None
-        groups = Groups(layouts, order, owner, plan.dp, comms)
+        groups = Groups(layouts, order, owner, self.replicas, comms)
         if plan.zero == 3:
             return Zero3Holder(groups, self.comm, plan.offload, initial, plan.reduce_dtype)
         if plan.zero in (1, 2):
@@ -293,7 +304,9 @@ class RankRuntime:
             stages=self.stages,
             schedule=schedule,
             pp_rank=coords["pp"],
-            peer=lambda stage: self.mesh.rank_of(pp=schedule.rank_of(stage), dp=coords["dp"], tp=coords["tp"]),
+            peer=lambda stage: self.mesh.rank_of(
+                pp=schedule.rank_of(stage), dp=coords["dp"], cp=coords["cp"], tp=coords["tp"]
+            ),
             channel=self.channel,
             input_shapes=self.input_shapes,
             group=self.p2p_group,
@@ -342,7 +355,7 @@ class RankRuntime:
         if plan.max_grad_norm is not None:
             self.last_grad_norm = clip_by_global_norm(counted, scaled, plan.max_grad_norm, self._sum_all, self.device)
         # The loss of the last stage's ranks (tp rank 0 counts it once), summed over every rank while
-        # the optimizer steps: the mean over dp.
+        # the optimizer steps: the mean over dp x cp (a cp rank's loss is its tokens' share, scaled by cp).
         last_pp = self.schedule.last_rank if self.schedule else 0
         last_stage = self.coords["pp"] == last_pp and self.coords["tp"] == 0
         self._loss.fill_(0.0)
@@ -362,7 +375,7 @@ class RankRuntime:
             work.wait()
         self.step_seconds = time.perf_counter() - start
         self.steps += 1
-        return self._loss.item() / plan.dp
+        return self._loss.item() / self.replicas
 
     def begin_masks(self, flat: list[torch.Tensor]) -> None:
         """A pass over the global batch starts: single-device dropout masks are drawn anew."""

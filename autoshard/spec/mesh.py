@@ -1,4 +1,4 @@
-"""The device mesh: how ranks are arranged along the pp, dp and tp dimensions."""
+"""The device mesh: how ranks are arranged along the pp, dp, cp and tp dimensions."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ from typing import Any
 
 from autoshard.errors import InputError, MeshError
 
-__all__ = ["MESH_DIMS", "Mesh", "resolve_mesh"]
+__all__ = ["MESH_DIMS", "REPLICAS", "Mesh", "resolve_mesh"]
 
-# Outer to inner: tp ranks are neighbours (they talk most, so they share the fastest links),
-# then dp, then pp (Megatron's ordering).
-MESH_DIMS = ("pp", "dp", "tp")
+# Outer to inner: tp ranks are neighbours (they talk most, so they share the fastest links), then cp
+# (a ring of K/V blocks every layer), then dp, then pp (Megatron's ordering).
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+# The ranks that hold the same parameters (before ZeRO shards them) and reduce their gradients together:
+# data parallel ranks hold different rows, context parallel ranks different tokens of the same rows.
+REPLICAS = ("dp", "cp")
+
+Dims = str | tuple[str, ...]
 
 
 def _check_degree(name: str, value: Any) -> None:
@@ -24,14 +29,16 @@ def _check_degree(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A 3-D arrangement of ranks: ``size == dp * tp * pp``.
+    """A 4-D arrangement of ranks: ``size == dp * cp * tp * pp``.
 
-    Rank numbering puts tp innermost: ``rank = (pp_index * dp + dp_index) * tp + tp_index``.
+    Rank numbering puts tp innermost, then cp: ``rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp +
+    tp_index``. ``cp`` (context parallel) splits every sequence over its ranks.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -39,15 +46,22 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
-    def degree(self, dim: str) -> int:
+    def degree(self, dim: Dims) -> int:
+        """The ranks along ``dim``, or along several dimensions at once (``REPLICAS``: dp x cp)."""
+        if isinstance(dim, tuple):
+            out = 1
+            for d in dim:
+                out *= self.degree(d)
+            return out
         if dim not in MESH_DIMS:
             raise MeshError(f"unknown mesh dimension {dim!r}; the dimensions are {MESH_DIMS}")
         return getattr(self, dim)
 
     def product_str(self) -> str:
-        return f"dp({self.dp}) x tp({self.tp}) x pp({self.pp}) = {self.size}"
+        cp = f" x cp({self.cp})" if self.cp > 1 else ""
+        return f"dp({self.dp}){cp} x tp({self.tp}) x pp({self.pp}) = {self.size}"
 
     def check_world_size(self, world_size: int) -> None:
         if self.size != world_size:
@@ -62,22 +76,32 @@ class Mesh:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
             raise MeshError(f"rank {rank!r} is outside this mesh of {self.size} ranks (0..{self.size - 1})")
         tp_index = rank % self.tp
-        dp_index = (rank // self.tp) % self.dp
-        pp_index = rank // (self.tp * self.dp)
-        return {"pp": pp_index, "dp": dp_index, "tp": tp_index}
+        cp_index = (rank // self.tp) % self.cp
+        dp_index = (rank // (self.tp * self.cp)) % self.dp
+        pp_index = rank // (self.tp * self.cp * self.dp)
+        return {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
 
-    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        for name, index in (("pp", pp), ("dp", dp), ("tp", tp)):
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        for name, index in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
             if not 0 <= index < self.degree(name):
                 raise MeshError(f"{name} index {index} is outside 0..{self.degree(name) - 1}")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
-    def group(self, dim: str, rank: int) -> list[int]:
-        """The ranks that share every coordinate with ``rank`` except ``dim``, in order."""
+    def replica_index(self, rank: int) -> int:
+        """``rank``'s place among the ranks holding the same parameters (dp x cp, cp inner)."""
         here = self.coords(rank)
-        return [self.rank_of(**{**here, dim: i}) for i in range(self.degree(dim))]
+        return here["dp"] * self.cp + here["cp"]
 
-    def groups(self, dim: str) -> list[list[int]]:
+    def group(self, dim: Dims, rank: int) -> list[int]:
+        """The ranks that share every coordinate with ``rank`` except ``dim`` (or each of several dims), in order."""
+        here = self.coords(rank)
+        dims = dim if isinstance(dim, tuple) else (dim,)
+        out = [here]
+        for d in dims:
+            out = [{**c, d: i} for c in out for i in range(self.degree(d))]
+        return sorted(self.rank_of(**c) for c in out)
+
+    def groups(self, dim: Dims) -> list[list[int]]:
         """Every group along ``dim``: one list of ranks per combination of the other coordinates."""
         seen: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.size):
@@ -99,20 +123,22 @@ class Mesh:
 
     def table(self) -> str:
         """A rank-by-rank table of coordinates, for people."""
-        lines = ["rank  pp  dp  tp"]
+        dims = [d for d in ("pp", "dp", "cp", "tp") if d != "cp" or self.cp > 1]
+        lines = ["rank  " + "  ".join(dims)]
         for rank in range(self.size):
             c = self.coords(rank)
-            lines.append(f"{rank:>4}  {c['pp']:>2}  {c['dp']:>2}  {c['tp']:>2}")
+            lines.append(f"{rank:>4}  " + "  ".join(f"{c[d]:>2}" for d in dims))
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}; {self.size} ranks)"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"Mesh(dp={self.dp}{cp}, tp={self.tp}, pp={self.pp}; {self.size} ranks)"
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> Mesh:
         """Build a Mesh from a ``torch.distributed.device_mesh.DeviceMesh``.
 
-        Dimension names must be among ``dp``, ``tp`` and ``pp``; an unnamed 1-D mesh is data parallel.
+        Dimension names must be among ``dp``, ``cp``, ``tp`` and ``pp``; an unnamed 1-D mesh is data parallel.
         """
         names = getattr(device_mesh, "mesh_dim_names", None)
         ndim = device_mesh.ndim

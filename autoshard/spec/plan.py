@@ -64,7 +64,11 @@ def _positive_int(name: str, value: Any) -> None:
 class Plan:
     """Degrees and options of one distributed training program.
 
-    dp, tp, pp        data, tensor and pipeline parallel degrees; their product is the world size
+    dp, tp, pp        data, tensor and pipeline parallel degrees; their product (with cp) is the world size
+    cp                context parallel degree: every sequence is split over cp ranks (two chunks each, i and
+                      2cp-1-i of 2cp, so causal attention is balanced); attention runs as ring attention (K/V
+                      blocks passed round the cp ranks), every other op on the rank's own tokens; parameters
+                      are replicated over cp and their gradients reduced over dp x cp (passes/context_parallel.py)
     ep                expert parallel degree, carved out of dp (it divides dp): each group of ep consecutive dp
                       ranks holds E / ep of a mixture of experts' E experts and sends each token to the rank
                       of its expert with an all-to-all; dense layers stay data parallel over all dp ranks,
@@ -103,6 +107,7 @@ class Plan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     ep: int = 1
     zero: int = 0
     offload: bool = False
@@ -131,7 +136,7 @@ class Plan:
             raise PlanError(
                 f"plan field schedule={self.schedule!r} must be one of {SCHEDULES} or an autoshard.Schedule"
             )
-        for name in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
         if self.dp % self.ep:
             raise PlanError(
@@ -202,6 +207,14 @@ class Plan:
             )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
+        if self.cp > 1:
+            others = {"tp": self.tp, "pp": self.pp, "ep": self.ep}
+            if any(v > 1 for v in others.values()):
+                raise PlanError(
+                    f"cp={self.cp} composes with dp and ZeRO in this version, not yet with "
+                    + ", ".join(f"{k}={v}" for k, v in others.items() if v > 1)
+                    + "; use cp with dp only (Mesh(dp=.., cp=..)), or that dimension without cp"
+                )
 
     @property
     def schedule_name(self) -> str:
@@ -214,7 +227,7 @@ class Plan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp)
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     @property
     def mixed_precision(self) -> bool:
@@ -254,6 +267,8 @@ class Plan:
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.cp > 1:
+            parts.insert(1, f"cp={self.cp}")
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
         if self.offload:

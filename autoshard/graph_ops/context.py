@@ -1,0 +1,320 @@
+"""Context parallelism as graph ops: each cp rank computes on its share of every sequence.
+
+The context_parallel pass (passes/context_parallel.py) inserts calls to the functions below; each takes
+the rank's context-parallel module (a get_attr node named ``cp``: an ``UnboundContextParallel`` in a graph
+built for inspection, ``ContextParallel`` on a rank) first, so the graph is the same on every rank.
+
+A rank holds two chunks of every sequence, chunk i and chunk 2N-1-i of 2N (N = cp): under a causal mask
+the early chunk attends to little and the late one to much, so every rank does the same attention work
+(the head-tail balancing of torch's context_parallel and Megatron-core).
+
+    positions       the global positions of this rank's tokens, in the order it holds them
+    local_tokens    a value every rank holds whole -> this rank's tokens of it (backward: scatter back)
+    all_reduce      a sum of the ranks' partial values (a sum over the sequence); backward x cp (below)
+    replica_mean    the loss a rank reports: its partial times cp, so the mean over dp x cp ranks that
+                    the runtime takes of losses and gradients is the global value
+    ring_attention  attention over the whole sequence: K/V blocks passed round the ring while the block
+                    in hand is computed, partial results merged by log-sum-exp; backward passes dK/dV
+                    round the ring back to their owner
+    cross_entropy   a token mean over the global batch: the rank's sum over the global count of tokens
+
+Gradients flow in the units of ``replica_mean``: a rank's gradient of its own tokens is cp times its share
+of the global gradient, which the runtime's mean over dp x cp turns back into the global gradient. So
+``all_reduce``'s backward multiplies by cp: every rank's copy of the sum then carries the whole gradient,
+as a value every rank computes alike does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard.distributed import funcol
+from autoshard.errors import DistributedError, InputError
+
+__all__ = [
+    "ContextParallel",
+    "UnboundContextParallel",
+    "all_reduce",
+    "chunk_positions",
+    "cross_entropy",
+    "local_tokens",
+    "positions",
+    "replica_mean",
+    "ring_attention",
+    "whole_size",
+]
+
+
+def chunk_positions(seq_len: int, rank: int, degree: int, device: Any = None) -> torch.Tensor:
+    """The positions rank ``rank`` of ``degree`` holds of a sequence of ``seq_len``: chunks rank and
+    2*degree-1-rank of 2*degree equal chunks, in that order."""
+    if seq_len % (2 * degree):
+        raise InputError(
+            f"context parallelism splits each sequence into 2 x cp = {2 * degree} equal chunks (two a rank, for "
+            f"balanced causal attention), but the sequence has {seq_len} tokens; pad or cut sequences to a "
+            f"multiple of {2 * degree}"
+        )
+    chunk = seq_len // (2 * degree)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * degree - 1 - rank) * chunk, (2 * degree - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+class UnboundContextParallel(nn.Module):
+    """The ``cp`` of a graph built for inspection: its degree; running it needs a Program under a process group."""
+
+    rank = 0
+
+    def __init__(self, degree: int) -> None:
+        super().__init__()
+        self.degree = degree
+
+    def _unbound(self, *_: Any) -> Any:
+        raise DistributedError(
+            "this context-parallel graph was built for inspection; run it through a Program compiled under a "
+            "process group"
+        )
+
+    positions = exchange = _unbound
+
+    @property
+    def group_name(self) -> str:
+        return self._unbound()
+
+
+class ContextParallel(UnboundContextParallel):
+    """A rank's place in its cp group: its index, the ring's neighbours, the group (and its name)."""
+
+    def __init__(self, degree: int, rank: int, ranks: list[int], group: dist.ProcessGroup, comm: Any) -> None:
+        super().__init__(degree)
+        self.rank = rank
+        self.next_rank = ranks[(rank + 1) % degree]  # global ranks of the ring's neighbours
+        self.prev_rank = ranks[(rank - 1) % degree]
+        self.group = group
+        self.comm = comm
+        self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
+        funcol.register_counter(group.group_name, comm)
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name
+
+    def positions(self, seq_len: int, device: torch.device, rank: int | None = None) -> torch.Tensor:
+        rank = self.rank if rank is None else rank
+        key = (seq_len, rank, device)
+        if key not in self._positions:
+            self._positions[key] = chunk_positions(seq_len, rank, self.degree, device)
+        return self._positions[key]
+
+    def exchange(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Send ``tensors`` to the next rank of the ring and receive the previous rank's (started, not waited)."""
+        tensors = [t.contiguous() for t in tensors]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
+        self.comm.count("cp_ring", sum(t.numel() * t.element_size() for t in tensors))
+        return received, dist.batch_isend_irecv(ops)
+
+    def wait(self, works: list[dist.Work]) -> None:
+        with self.comm.timing("cp_ring"):
+            for work in works:
+                work.wait()
+
+
+def positions(cp: UnboundContextParallel, seq_len: int, device: torch.device) -> torch.Tensor:
+    """This rank's global positions of a sequence of ``seq_len`` tokens (the graph reads it once a size)."""
+    return cp.positions(int(seq_len), device)
+
+
+def whole_size(cp: UnboundContextParallel, local: int) -> int:
+    """The size of a dimension over the whole sequence, from this rank's share of it."""
+    return local * cp.degree
+
+
+def local_tokens(cp: UnboundContextParallel, x: torch.Tensor, dim: int, seq_len: int) -> torch.Tensor:
+    """This rank's tokens of ``x``, which holds every token along ``dim`` (``seq_len`` of them, or rows of
+    several sequences laid end to end, the sequence innermost: a flattened [batch, sequence])."""
+    index = cp.positions(int(seq_len), x.device)
+    if x.shape[dim] == seq_len:
+        return x.index_select(dim, index)
+    rows = x.unflatten(dim, (-1, int(seq_len)))
+    return rows.index_select(dim + 1, index).flatten(dim, dim + 1)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str, degree: int) -> torch.Tensor:
+        ctx.degree = degree
+        return funcol.all_reduce(x, name, name="cp_all_reduce")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad * ctx.degree, None, None
+
+
+def all_reduce(cp: UnboundContextParallel, x: torch.Tensor) -> torch.Tensor:
+    """Partial -> whole: the sum of the cp ranks' partial values (a sum over the sequence)."""
+    return _AllReduce.apply(x, cp.group_name, cp.degree)
+
+
+def replica_mean(cp: UnboundContextParallel, loss: torch.Tensor) -> torch.Tensor:
+    """A partial loss in the runtime's units: the mean over the cp ranks of this is their sum."""
+    return loss * cp.degree
+
+
+def cross_entropy(
+    cp: UnboundContextParallel,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    reduction: int = 1,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """cross_entropy_loss over this rank's tokens; ``reduction`` mean: the rank's sum over the global count
+    of counted tokens (the ranks' counts differ: the last token of a sequence has no label), a partial value."""
+    if reduction != 1:
+        names = {0: "none", 2: "sum"}
+        return F.cross_entropy(
+            logits, target, weight, ignore_index=ignore_index, reduction=names[reduction],
+            label_smoothing=label_smoothing,
+        )  # fmt: skip
+    total = F.cross_entropy(
+        logits, target, weight, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+    )
+    with torch.no_grad():
+        counted = target != ignore_index
+        count = (weight[target.clamp(min=0)] * counted).sum() if weight is not None else counted.sum()
+        count = funcol.all_reduce(count.to(total.dtype), cp.group_name, name="cp_all_reduce")
+    return total / count
+
+
+# ---- ring attention -------------------------------------------------------------------------------------
+
+
+def _block_scores(q, k, scale, mask, q_pos, k_pos, causal):  # noqa: ANN001, ANN202 - internal kernel
+    """Scores of q against one K block, in fp32, masked positions -inf."""
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    if causal:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+def _mask_columns(mask: torch.Tensor | None, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """A mask over this rank's query rows and every key: the columns of one block's keys."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask.index_select(mask.dim() - 1, k_pos)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, q, k, v, mask, causal, scale, seq_len):  # noqa: ANN001, ANN205 - autograd signature
+        degree, heads = cp.degree, q.shape[-3]
+        q_pos = cp.positions(seq_len, q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=torch.float32)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.float32)
+        block, works = (k, v), []
+        for step in range(degree):
+            if step + 1 < degree:  # the next block travels while this one is computed
+                incoming, works = cp.exchange(list(block))
+            src = (cp.rank - step) % degree
+            k_pos = cp.positions(seq_len, q.device, src)
+            scores = _block_scores(
+                q, _repeat_kv(block[0], heads), scale, _mask_columns(mask, k_pos), q_pos, k_pos, causal
+            )
+            block_lse = torch.logsumexp(scores, dim=-1)
+            seen = torch.isfinite(block_lse)
+            probs = torch.exp(scores - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
+            block_out = torch.matmul(probs, _repeat_kv(block[1], heads).float())
+            new_lse = torch.logaddexp(lse, block_lse)
+            new_finite = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+            keep = torch.where(torch.isfinite(lse), torch.exp(lse - new_finite), 0.0)
+            take = torch.where(seen, torch.exp(block_lse - new_finite), 0.0)
+            out = out * keep.unsqueeze(-1) + block_out * take.unsqueeze(-1)
+            lse = new_lse
+            if step + 1 < degree:
+                cp.wait(works)
+                block = tuple(incoming)
+        ctx.cp, ctx.causal, ctx.scale, ctx.seq_len = cp, causal, scale, seq_len
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, result, lse)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205 - autograd signature
+        cp, causal, scale, seq_len = ctx.cp, ctx.causal, ctx.scale, ctx.seq_len
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        degree, heads, kv_heads = cp.degree, q.shape[-3], k.shape[-3]
+        q_pos = cp.positions(seq_len, q.device)
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(-1, keepdim=True)
+        finite_lse = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
+        grad_q = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        # What travels: a K/V block and the gradients of it gathered so far, back to its owner after a lap.
+        block = (
+            k,
+            v,
+            torch.zeros(k.shape, device=k.device, dtype=torch.float32),
+            torch.zeros_like(v, dtype=torch.float32),
+        )
+        for step in range(degree):
+            src = (cp.rank - step) % degree
+            k_pos = cp.positions(seq_len, q.device, src)
+            kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
+            scores = _block_scores(q, kb, scale, _mask_columns(mask, k_pos), q_pos, k_pos, causal)
+            probs = torch.exp(scores - finite_lse)
+            grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+            grad_probs = torch.matmul(grad_out, vb.float().transpose(-2, -1))
+            grad_scores = probs * (grad_probs - delta)
+            grad_q += torch.matmul(grad_scores, kb.float()) * scale
+            grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.float()) * scale
+            if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
+                grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
+                grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
+            block = (block[0], block[1], block[2] + grad_k, block[3] + grad_v)
+            # The last lap carries only the gradients home.
+            incoming, works = cp.exchange(list(block) if step + 1 < degree else list(block[2:]))
+            cp.wait(works)
+            block = tuple(incoming) if step + 1 < degree else (None, None, *incoming)
+        grad_k, grad_v = block[2].to(k.dtype), block[3].to(v.dtype)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def ring_attention(
+    cp: UnboundContextParallel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    seq_len: int,
+) -> torch.Tensor:
+    """scaled_dot_product_attention of this rank's queries over the whole sequence ([.., heads, tokens, dim]),
+    its keys and values in blocks round the ring; ``attn_mask``: this rank's query rows, every key."""
+    if dropout_p:
+        raise InputError(
+            f"attention dropout (p={dropout_p}) under context parallelism is not supported: the ring computes "
+            f"attention in blocks; set the model's attention dropout to 0 to train with cp"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(cp, q, k, v, attn_mask, bool(is_causal), float(scale), int(seq_len))

@@ -1,0 +1,452 @@
+"""Context parallelism: every value that carries the sequence is computed on this rank's tokens.
+
+Reads:  autoshard.shape, autoshard.layer
+Writes: autoshard.cp (meta.CpPlacement) on every node but the output; updates autoshard.shape to local
+        sizes on values this rank holds a share of the tokens of; autoshard.layer and autoshard.cost
+        (no FLOPs) on the nodes it inserts. Returns a CpReport.
+
+Each cp rank is handed the same rows as the others of its dp rank, every token of them; the graph keeps
+this rank's tokens (graph_ops/context.py: two chunks of each sequence, for balanced causal attention) and
+the sharding rules (autoshard.sharding, as tensor parallelism uses them) carry the shard through the model:
+
+1. Seeds: the inputs a token's computation starts from, the token ids an embedding reads (through views)
+   and float inputs with a sequence dimension, are cut to this rank's tokens where they enter.
+2. Every op that works token by token keeps the shard (linears, norms, pointwise ops, views). Where such an
+   op meets a value every rank holds whole (positions, their embeddings, rotary tables, masks, labels after
+   the model shifted them), that value is cut to this rank's tokens there: positions and masks are computed
+   for the whole sequence, so they are right for every token, and label shifting sees the next token.
+3. Attention (``scaled_dot_product_attention``) over sharded queries becomes ring attention: its keys and
+   values go round the cp ranks; a mask keeps this rank's query rows and every key.
+4. A sum or mean over the tokens gives a partial value (each rank its own tokens' part); cross_entropy over
+   sharded rows divides the rank's sum by the global count of counted tokens. A partial value that an op
+   needs whole is all-reduced over cp; the loss leaves the graph in the runtime's units (graph_ops/context.py:
+   ``replica_mean``), so that the mean over dp x cp ranks the runtime takes is the global loss and gradient.
+5. Any other op that would need a sharded value whole mixes tokens (a cumsum, a convolution over time, a
+   sequence pooled by its first token, attention written out as matmul -> softmax -> matmul): cp refuses the
+   model with the node named, before any rank starts work.
+
+Sizes: a view, reshape or expand of a sharded value gets the local size along the shard; a size read from a
+sharded value (``sym_size``) is multiplied back to the whole sequence's, so that every size in the graph
+still means what it meant on one device.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard.errors import PlanError
+from autoshard.graph_ops import context as cp_ops
+from autoshard.ir.meta import CP, LAYER, SHAPE, CpPlacement, NodeShape, TensorShape, get_shape
+from autoshard.ir.ops import SHARD_PRESERVING
+from autoshard.ir.placements import Partial, Placement, Replicate, Shard
+from autoshard.sharding import rule_of
+from autoshard.sharding.rule import Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
+from autoshard.sharding.views import view_groups
+
+from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
+
+__all__ = ["PASS", "RUNTIME_ATTR", "CpReport", "run"]
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+RUNTIME_ATTR = "cp"
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SIZED = (*_VIEWS, aten.expand.default)  # ops whose size argument must be local along the shard
+_SUMS = {aten.sum.dim_IntList: False, aten.mean.dim: True, aten.sum.default: False, aten.mean.default: True}
+_SDPA = aten.scaled_dot_product_attention.default
+_CROSS_ENTROPY = aten.cross_entropy_loss.default
+_INSERTED = (
+    cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.ring_attention, cp_ops.cross_entropy, cp_ops.replica_mean,
+)  # fmt: skip
+
+
+@dataclass
+class CpReport:
+    """What the pass did: the inputs it cut, the attentions it turned into rings, the whole values it cut to
+    this rank's tokens, the partial values it all-reduced, how the loss leaves."""
+
+    degree: int
+    inputs: list[str] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)
+    sliced: list[str] = field(default_factory=list)
+    all_reduced: list[str] = field(default_factory=list)
+    loss: str = ""
+
+    def __str__(self) -> str:
+        return (
+            f"cp={self.degree}: inputs {', '.join(self.inputs)} cut to each rank's tokens; "
+            f"{len(self.attention)} attention(s) as ring attention; {len(self.sliced)} whole value(s) cut where "
+            f"they meet the tokens; {len(self.all_reduced)} sum(s) over tokens all-reduced; loss {self.loss}"
+        )
+
+
+# ---- placements ---------------------------------------------------------------------------------------------
+
+
+def _is_tensor(node: object) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    shape = node.meta.get(SHAPE)
+    return shape is not None and shape.scalar is None and len(shape.tensors) == 1 and shape.tensors[0] is not None
+
+
+def _reaches_embedding(node: fx.Node) -> bool:
+    """Whether ``node`` is read, through views, as the indices of an embedding (token ids)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op != "call_function":
+                continue
+            if user.target is aten.embedding.default and len(user.args) > 1 and user.args[1] is n:
+                return True
+            if user.target in SHARD_PRESERVING and user.args[0] is n:
+                stack.append(user)
+    return False
+
+
+def _seed(node: fx.Node) -> int | None:
+    """The sequence dimension of an input cut to this rank's tokens where it enters, or None."""
+    if not _is_tensor(node):
+        return None
+    shape = get_shape(node).tensor
+    dim = sequence_dim(shape.sizes)
+    if dim is None:
+        return None
+    return dim if shape.dtype.is_floating_point or _reaches_embedding(node) else None
+
+
+class _Propagation:
+    """Every value's placement along cp, forward through the graph, and what each op wants of its inputs."""
+
+    def __init__(self, gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> None:
+        self.gm, self.degree, self.sizes = gm, degree, sizes
+        self.out: dict[fx.Node, object] = {}
+        self.merged: set[fx.Node] = set()
+        self.wants: list[tuple[fx.Node, fx.Node, Placement]] = []  # consumer, source, wanted placement
+        self.seen: dict[fx.Node, object] = {}  # what later readers get (a partial all-reduced once is whole)
+        self.seeds: dict[fx.Node, int] = {}
+        self.notes: dict[fx.Node, str] = {}
+
+    def run(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                dim = _seed(node)
+                self.out[node] = R
+                if dim is not None:
+                    self.seeds[node] = dim
+                    self.out[node] = Shard(dim)
+            elif node.op == "get_attr":
+                self.out[node] = R
+            elif node.op == "call_function":
+                self.out[node] = self._decide(node)
+            else:
+                continue
+            self.seen[node] = self.out[node]
+
+    def p(self, node: object) -> object:
+        return self.seen.get(node, R) if isinstance(node, fx.Node) else R
+
+    def _decide(self, node: fx.Node) -> object:
+        inputs = [a for a in node.all_input_nodes if self.p(a) != R]
+        if not inputs:
+            return R  # computed whole on every rank, as on one device
+        if node.target is aten.sym_size.int:
+            return R  # a size: made whole again at the rewrite
+        ctx = RuleInput(node, self.seen, self.degree, True, self.sizes)
+        decision = self._special(ctx)
+        if decision is None:
+            rule = rule_of(node.target)
+            decision = rule(ctx) if rule is not None else replicate_all(ctx)
+            if not fits_ranks(node, decision):
+                decision = replicate_all(ctx)
+        for source, dst in decision.want.items():
+            src = self.p(source)
+            if src == dst:
+                continue
+            if isinstance(src, Shard) or (isinstance(src, Partial) and dst != R):
+                self._refuse(node, source, src)
+            self.wants.append((node, source, dst))
+            if isinstance(src, Partial):
+                self.seen[source] = R
+        out = decision.out
+        if isinstance(out, Shard) and self._keeps_merge(node, out):
+            self.merged.add(node)
+        if decision.note:
+            self.notes[node] = decision.note
+        return out
+
+    def _keeps_merge(self, node: fx.Node, out: Shard) -> bool:
+        if node in self.merged:
+            return True
+        nd = len(get_shape(node).tensor.sizes) if _is_tensor(node) else -1
+        return any(
+            a in self.merged and self.p(a) == out and len(get_shape(a).tensor.sizes) == nd
+            for a in node.all_input_nodes
+            if _is_tensor(a)
+        )
+
+    def _refuse(self, node: fx.Node, source: fx.Node, src: object) -> None:
+        layer = node.meta.get(LAYER, "(top)")
+        raise PlanError(
+            f"context parallelism: {node.name} ({node.target}) in {layer} needs {source.name} over the whole "
+            f"sequence, which cp={self.degree} splits over its ranks ({source.name} is {src} along cp): the op mixes "
+            f"tokens outside attention (a cumsum, a convolution over time, a pooled token, or attention written "
+            f"out as matmul -> softmax -> matmul instead of scaled_dot_product_attention); run the model's "
+            f"attention as SDPA (attn_implementation='sdpa'), or train it with cp=1"
+        )
+
+    # Ops whose placement along cp differs from tensor parallelism's rule.
+    def _special(self, ctx: RuleInput) -> Decision | None:
+        node = ctx.node
+        if node.target is _SDPA:
+            return self._attention(ctx)
+        if node.target is _CROSS_ENTROPY:
+            return self._cross_entropy(ctx)
+        if node.target in _SUMS:
+            return self._sum(ctx)
+        if node.target in _VIEWS:
+            return self._view(ctx)
+        return None
+
+    def _attention(self, ctx: RuleInput) -> Decision:
+        q, k, v = ctx.node.args[:3]
+        mask = ctx.arg(3, "attn_mask")
+        nd = ctx.ndim(q)
+        token = Shard(nd - 2)
+        for t in (q, k, v):
+            if self.p(t) not in (R, token):
+                self._refuse(ctx.node, t, self.p(t))
+        want: dict[fx.Node, Placement] = {t: token for t in (q, k, v) if self.p(t) != token}
+        if isinstance(mask, fx.Node):
+            rows = Shard(ctx.ndim(mask) - 2) if sequence_dim(ctx.sizes(mask)[-2:-1]) == 0 else R
+            if self.p(mask) != rows:
+                want[mask] = rows
+        return Decision(token, want, "ring attention")
+
+    def _cross_entropy(self, ctx: RuleInput) -> Decision:
+        logits, target = ctx.node.args[:2]
+        p = self.p(logits)
+        if p != Shard(0):
+            return replicate_all(ctx)
+        want: dict[fx.Node, Placement] = {target: Shard(0)} if self.p(target) != Shard(0) else {}
+        weight = ctx.arg(2, "weight")
+        if isinstance(weight, fx.Node) and self.p(weight) != R:
+            want[weight] = R
+        if logits in self.merged:
+            self.merged.add(ctx.node)  # reduction="none": per token, as the logits
+        reduction = ctx.arg(3, "reduction", 1)
+        return Decision(Shard(0) if reduction == 0 else P, want, "cross-entropy over this rank's tokens")
+
+    def _sum(self, ctx: RuleInput) -> Decision | None:
+        x = ctx.node.args[0]
+        p = self.p(x)
+        if not isinstance(p, Shard):
+            return None
+        nd = ctx.ndim(x)
+        dims = ctx.arg(1, "dim") if ctx.node.target in (aten.sum.dim_IntList, aten.mean.dim) else None
+        dims = [d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])] if dims else list(range(nd))
+        return Decision(P, {}, "a sum over tokens: partial") if p.dim in dims else None
+
+    def _view(self, ctx: RuleInput) -> Decision | None:
+        x = ctx.node.args[0]
+        p = self.p(x)
+        if not isinstance(p, Shard):
+            return None
+        in_sizes, out_sizes = ctx.sizes(x), ctx.out_sizes()
+        for ins, outs in view_groups(in_sizes, out_sizes):
+            if p.dim not in ins:
+                continue
+            if len(ins) == 1 and len(outs) == 1:
+                if x in self.merged:
+                    self.merged.add(ctx.node)
+                return Decision(Shard(outs[0]))
+            if x in self.merged and len(ins) == 1 and sequence_dim(out_sizes[outs[-1] :]) == 0:
+                return Decision(Shard(outs[-1]))  # [rows x tokens] back to [.., tokens]
+            if x not in self.merged and len(outs) == 1 and ins[-1] == p.dim:
+                self.merged.add(ctx.node)  # [.., tokens] flattened, the tokens innermost
+                return Decision(Shard(outs[0]))
+            return None  # the tokens split, or merged with something inside them: the rules decide
+        return None
+
+
+# ---- the rewrite --------------------------------------------------------------------------------------------
+
+
+def _local_sizes(shape: TensorShape, dim: int, degree: int) -> TensorShape:
+    sizes = list(shape.sizes)
+    sizes[dim] = sympy.sympify(sizes[dim]) / degree
+    return TensorShape(tuple(sizes), shape.dtype, shape.requires_grad)
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, prop: _Propagation, report: CpReport) -> None:
+        self.gm, self.graph, self.prop, self.report = gm, gm.graph, prop, report
+        self.degree = prop.degree
+        self.cp = runtime_attr(gm, RUNTIME_ATTR, cp_ops.UnboundContextParallel(prop.degree))
+        self.cache: dict[tuple[fx.Node, object], fx.Node] = {}
+        self.seq_len: fx.Node | None = None
+
+    def _insert(self, after: fx.Node | None, before: fx.Node | None, target, args, shape, placement, note, kwargs=None):  # noqa: ANN001, ANN202
+        where = self.graph.inserting_after(after) if after is not None else self.graph.inserting_before(before)
+        with where:
+            node = self.graph.call_function(target, args, kwargs or {})
+        layer = (after or before).meta.get(LAYER, "(top)")
+        mark_inserted(node, shape, layer)
+        node.meta[CP] = CpPlacement(placement, note=note)
+        return node
+
+    def run(self) -> None:
+        self._seeds()
+        for consumer, source, dst in self.prop.wants:
+            self._redistribute(consumer, source, dst)
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target in _INSERTED:
+                continue
+            placement = self.prop.out.get(node, R)
+            if node.target is _SDPA and isinstance(placement, Shard):
+                self._ring(node)
+            elif node.target is _CROSS_ENTROPY and placement != R:
+                node.target = cp_ops.cross_entropy
+                node.args = (self.cp, *node.args)
+            elif node.target in _SUMS and placement == P and _SUMS[node.target]:
+                self._mean(node)
+            elif node.target in _SIZED and isinstance(placement, Shard):
+                self._local_size_arg(node, placement.dim)
+            elif node.target is aten.sym_size.int:
+                self._whole_size(node)
+        self._loss()
+        for node in self.graph.nodes:
+            if node.op == "output" or CP in node.meta:
+                continue
+            placement = self.prop.out.get(node, R)
+            node.meta[CP] = CpPlacement(placement, node in self.prop.merged, self.prop.notes.get(node, ""))
+            if isinstance(placement, Shard) and _is_tensor(node):
+                node.meta[SHAPE] = NodeShape((_local_sizes(get_shape(node).tensor, placement.dim, self.degree),))
+
+    def _seeds(self) -> None:
+        if not self.prop.seeds:
+            raise PlanError(
+                "context parallelism found no input with a sequence dimension to split (token ids an embedding "
+                "reads, or float inputs [batch, sequence, ...]); pass the sequence as the model's input, or use cp=1"
+            )
+        for placeholder, dim in self.prop.seeds.items():
+            users = [u for u in placeholder.users if u.target is not aten.sym_size.int]  # sizes stay whole
+            with self.graph.inserting_after(placeholder):
+                size = self.graph.call_function(aten.sym_size.int, (placeholder, dim))
+            mark_inserted(size, NodeShape(scalar=get_shape(placeholder).tensor.sizes[dim]), "(top)")
+            size.meta[CP] = CpPlacement(R, note="the whole sequence's length")
+            if self.seq_len is None:
+                self.seq_len = size
+            local = self._insert(
+                size, None, cp_ops.local_tokens, (self.cp, placeholder, dim, self.seq_len), get_shape(placeholder),
+                Shard(dim), "this rank's tokens",
+            )  # fmt: skip
+            for user in users:
+                user.replace_input_with(placeholder, local)
+            self.report.inputs.append(placeholder.name)
+
+    def _redistribute(self, consumer: fx.Node, source: fx.Node, dst: Placement) -> None:
+        key = (source, dst)
+        made = self.cache.get(key)
+        if made is None:
+            if isinstance(dst, Shard):  # a whole value: this rank's tokens of it
+                made = self._insert(
+                    source, None, cp_ops.local_tokens, (self.cp, source, dst.dim, self.seq_len), get_shape(source),
+                    dst, f"{consumer.name} reads this rank's tokens",
+                )  # fmt: skip
+                self.report.sliced.append(source.name)
+            else:  # a partial value needed whole
+                made = self._insert(
+                    source, None, cp_ops.all_reduce, (self.cp, source), get_shape(source), R,
+                    f"{consumer.name} needs the sum over every token",
+                )  # fmt: skip
+                self.report.all_reduced.append(source.name)
+            self.cache[key] = made
+        if isinstance(dst, Shard):
+            made.meta[CP] = CpPlacement(dst, consumer in self.prop.merged or any(
+                a in self.prop.merged for a in consumer.all_input_nodes
+            ), made.meta[CP].note)  # fmt: skip
+        consumer.replace_input_with(source, made)
+
+    def _ring(self, node: fx.Node) -> None:
+        node.target = cp_ops.ring_attention
+        node.args = (self.cp, *node.args)
+        node.kwargs = {**node.kwargs, "seq_len": self.seq_len}
+        self.report.attention.append(node.name)
+
+    def _mean(self, node: fx.Node) -> None:
+        """A mean over this rank's tokens is cp times its part of the mean over every token."""
+        users = list(node.users)
+        part = self._insert(node, None, operator.truediv, (node, self.degree), get_shape(node), P, "this rank's part")
+        for user in users:
+            user.replace_input_with(node, part)
+        self.prop.out[part] = P
+
+    def _local_size_arg(self, node: fx.Node, dim: int) -> None:
+        sizes = list(node.args[1])
+        size = sizes[dim]
+        if isinstance(size, int):
+            if size != -1:
+                sizes[dim] = size // self.degree
+        elif isinstance(size, fx.Node):
+            share = NodeShape(scalar=get_shape(size).scalar / self.degree)
+            local = self._insert(None, node, operator.floordiv, (size, self.degree), share, R, "this rank's share")
+            sizes[dim] = local
+        node.args = (node.args[0], sizes, *node.args[2:])
+
+    def _whole_size(self, node: fx.Node) -> None:
+        x, dim = node.args[:2]
+        p = self.prop.out.get(x, R)
+        if not isinstance(p, Shard) or dim % len(get_shape(x).tensor.sizes) != p.dim or x in self.prop.seeds:
+            return
+        users = list(node.users)
+        whole = self._insert(node, None, operator.mul, (node, self.degree), get_shape(node), R, "the whole size")
+        for user in users:
+            user.replace_input_with(node, whole)
+
+    def _loss(self) -> None:
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        flat = output.args[0]
+        values = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+        for i, value in enumerate(values):
+            made = value.meta[CP].out if isinstance(value, fx.Node) and CP in value.meta else self.prop.out.get(value)
+            if made != P:
+                continue
+            if i == 0:
+                values[i] = self._insert(
+                    value, None, cp_ops.replica_mean, (self.cp, value), get_shape(value), P,
+                    "the loss in the runtime's units: its mean over dp x cp is the global loss",
+                )  # fmt: skip
+                self.report.loss = "partial over cp: each rank's tokens' share, times cp"
+            else:
+                values[i] = self._insert(value, None, cp_ops.all_reduce, (self.cp, value), get_shape(value), R, "whole")
+        output.args = (type(flat)(values) if isinstance(flat, (tuple, list)) else values[0],)
+        if not self.report.loss:
+            self.report.loss = "computed whole on every rank"
+
+
+def run(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> PassResult:
+    prop = _Propagation(gm, degree, sizes)
+    prop.run()
+    report = CpReport(degree)
+    _Rewriter(gm, prop, report).run()
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult("context_parallel", True, str(report), value=report)
+
+
+PASS = Pass(
+    "context_parallel",
+    reads=(Need(SHAPE), Need(LAYER)),
+    writes=(Need(CP), Need(SHAPE), Need(LAYER, calls_to("the context-parallel ops", *_INSERTED))),
+    run=run,
+)
