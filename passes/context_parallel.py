@@ -39,7 +39,7 @@ import sympy
 import torch
 from torch import fx
 
-from autoshard.errors import PlanError
+from autoshard.errors import InputError, PlanError
 from autoshard.graph_ops import context as cp_ops
 from autoshard.ir.meta import CP, LAYER, SHAPE, CpPlacement, NodeShape, TensorShape, get_shape
 from autoshard.ir.ops import SHARD_PRESERVING
@@ -434,7 +434,35 @@ class _Rewriter:
             self.report.loss = "computed whole on every rank"
 
 
+def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> None:
+    """What cp cannot run, said before any rank works: a sequence that does not split into 2 x cp chunks,
+    attention with dropout (the ring computes attention in blocks)."""
+    seq = sizes.get("S")
+    if seq is None:
+        raise PlanError(
+            f"context parallelism (cp={degree}) splits the sequence, but the model's inputs have no sequence "
+            f"dimension (the second dimension of integer token ids, [batch, sequence]); use cp=1"
+        )
+    if seq % (2 * degree):
+        raise InputError(
+            f"context parallelism splits each sequence into 2 x cp = {2 * degree} equal chunks (two a rank, for "
+            f"balanced causal attention), but the example's sequence has {seq} tokens; use sequences whose length "
+            f"is a multiple of {2 * degree}, or another cp"
+        )
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _SDPA:
+            dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            if dropout:
+                raise PlanError(
+                    f"context parallelism: {node.name} in {node.meta.get(LAYER, '(top)')} is attention with dropout "
+                    f"(p={dropout}), which ring attention, computing it in blocks, does not draw as one device "
+                    f"does; set the model's attention dropout to 0 (attn_pdrop, attention_dropout, "
+                    f"attention_probs_dropout_prob), or use cp=1"
+                )
+
+
 def run(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> PassResult:
+    _check(gm, degree, sizes)
     prop = _Propagation(gm, degree, sizes)
     prop.run()
     report = CpReport(degree)

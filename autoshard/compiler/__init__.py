@@ -102,7 +102,8 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
         placements=param_placements(
             captured.gm, model, chosen, build.stages_of, schedule, build.tp_report, build.experts
         ),
-        stages=build.stages, schedule=schedule, tp_report=build.tp_report, template=template, opt_groups=opt_groups,
+        stages=build.stages, schedule=schedule, tp_report=build.tp_report, cp_report=build.cp_report,
+        template=template, opt_groups=opt_groups,
         stages_of=build.stages_of, experts=build.experts, master_values=master_values, timeout=float(timeout),
         masks=build.masks,
         rng_state=rng_state, log_every=log_every or 0, torch_compile=request, check_data=check_data,

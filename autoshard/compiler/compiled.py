@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from autoshard.ir.cost import ModelCost
     from autoshard.ir.meta import MaskSpec
     from autoshard.ir.placements import ParamPlacement
+    from autoshard.passes.context_parallel import CpReport
     from autoshard.passes.pipeline_stages import StageGraph
     from autoshard.passes.tp_placement import TpReport
     from autoshard.planner.report import PlanReport
@@ -52,3 +53,4 @@ class Compiled:
     torch_compile: TorchCompile | None = None  # how each rank graph is compiled (None: run eagerly)
     check_data: int = 3  # first steps in which step() checks which ranks were handed the same rows
     experts: ExpertSplit = field(default_factory=ExpertSplit)  # the expert weights ep splits (slots re-pointed)
+    cp_report: CpReport | None = None  # cp > 1: the inputs cut, the rings, the values cut to each rank's tokens

@@ -14,8 +14,8 @@ the early chunk attends to little and the late one to much, so every rank does t
     replica_mean    the loss a rank reports: its partial times cp, so the mean over dp x cp ranks that
                     the runtime takes of losses and gradients is the global value
     ring_attention  attention over the whole sequence: K/V blocks passed round the ring while the block
-                    in hand is computed, partial results merged by log-sum-exp; backward passes dK/dV
-                    round the ring back to their owner
+                    in hand is computed, partial results merged by log-sum-exp; backward passes dK/dV round
+                    the ring back to their owner (eagerly under torch.compile, as local_tokens)
     cross_entropy   a token mean over the global batch: the rank's sum over the global count of tokens
 
 Gradients flow in the units of ``replica_mean``: a rank's gradient of its own tokens is cp times its share
@@ -36,6 +36,7 @@ from torch import nn
 
 from autoshard.distributed import funcol
 from autoshard.errors import DistributedError, InputError
+from autoshard.graph_ops.graph_break import stays_eager
 
 __all__ = [
     "ContextParallel",
@@ -137,6 +138,7 @@ def whole_size(cp: UnboundContextParallel, local: int) -> int:
     return local * cp.degree
 
 
+@stays_eager  # reads the rank's positions, kept outside the graph
 def local_tokens(cp: UnboundContextParallel, x: torch.Tensor, dim: int, seq_len: int) -> torch.Tensor:
     """This rank's tokens of ``x``, which holds every token along ``dim`` (``seq_len`` of them, or rows of
     several sequences laid end to end, the sequence innermost: a flattened [batch, sequence])."""
@@ -199,16 +201,22 @@ def cross_entropy(
 
 
 def _block_scores(q, k, scale, mask, q_pos, k_pos, causal):  # noqa: ANN001, ANN202 - internal kernel
-    """Scores of q against one K block, in fp32, masked positions -inf."""
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    """Scores of q against one K block, in fp32 at least, masked positions -inf."""
+    acc = _accumulate(q)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
-            scores = scores + mask.float()
+            scores = scores + mask.to(acc)
     if causal:
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return scores
+
+
+def _accumulate(x: torch.Tensor) -> torch.dtype:
+    """What scores and partial results accumulate in: fp32, or the inputs' dtype where wider."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _mask_columns(mask: torch.Tensor | None, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -227,8 +235,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, cp, q, k, v, mask, causal, scale, seq_len):  # noqa: ANN001, ANN205 - autograd signature
         degree, heads = cp.degree, q.shape[-3]
         q_pos = cp.positions(seq_len, q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=torch.float32)
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.float32)
+        acc = _accumulate(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=acc)
         block, works = (k, v), []
         for step in range(degree):
             if step + 1 < degree:  # the next block travels while this one is computed
@@ -241,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
             block_lse = torch.logsumexp(scores, dim=-1)
             seen = torch.isfinite(block_lse)
             probs = torch.exp(scores - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
-            block_out = torch.matmul(probs, _repeat_kv(block[1], heads).float())
+            block_out = torch.matmul(probs, _repeat_kv(block[1], heads).to(acc))
             new_lse = torch.logaddexp(lse, block_lse)
             new_finite = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
             keep = torch.where(torch.isfinite(lse), torch.exp(lse - new_finite), 0.0)
@@ -262,40 +271,41 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, mask, out, lse = ctx.saved_tensors
         degree, heads, kv_heads = cp.degree, q.shape[-3], k.shape[-3]
         q_pos = cp.positions(seq_len, q.device)
-        grad_out = grad_out.float()
-        delta = (grad_out * out.float()).sum(-1, keepdim=True)
+        acc = _accumulate(q)
+        grad_out = grad_out.to(acc)
+        delta = (grad_out * out.to(acc)).sum(-1, keepdim=True)
         finite_lse = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
-        grad_q = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        # What travels: a K/V block and the gradients of it gathered so far, back to its owner after a lap.
-        block = (
-            k,
-            v,
-            torch.zeros(k.shape, device=k.device, dtype=torch.float32),
-            torch.zeros_like(v, dtype=torch.float32),
-        )
+        grad_q = torch.zeros(q.shape, device=q.device, dtype=acc)
+        # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it
+        # round the ring, home after a lap.
+        kv: tuple[torch.Tensor, ...] = (k, v)
+        grads = [torch.zeros(t.shape, device=t.device, dtype=acc) for t in (k, v)]
         for step in range(degree):
+            if step + 1 < degree:
+                incoming, kv_works = cp.exchange(list(kv))
             src = (cp.rank - step) % degree
             k_pos = cp.positions(seq_len, q.device, src)
-            kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
+            kb, vb = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
             scores = _block_scores(q, kb, scale, _mask_columns(mask, k_pos), q_pos, k_pos, causal)
             probs = torch.exp(scores - finite_lse)
             grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-            grad_probs = torch.matmul(grad_out, vb.float().transpose(-2, -1))
+            grad_probs = torch.matmul(grad_out, vb.to(acc).transpose(-2, -1))
             grad_scores = probs * (grad_probs - delta)
-            grad_q += torch.matmul(grad_scores, kb.float()) * scale
-            grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.float()) * scale
+            grad_q += torch.matmul(grad_scores, kb.to(acc)) * scale
+            grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.to(acc)) * scale
             if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
-            block = (block[0], block[1], block[2] + grad_k, block[3] + grad_v)
-            # The last lap carries only the gradients home.
-            incoming, works = cp.exchange(list(block) if step + 1 < degree else list(block[2:]))
-            cp.wait(works)
-            block = tuple(incoming) if step + 1 < degree else (None, None, *incoming)
-        grad_k, grad_v = block[2].to(k.dtype), block[3].to(v.dtype)
+            grads, grad_works = cp.exchange([grads[0] + grad_k, grads[1] + grad_v])
+            cp.wait(grad_works)
+            if step + 1 < degree:
+                cp.wait(kv_works)
+                kv = tuple(incoming)
+        grad_k, grad_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
+@stays_eager  # point-to-point sends round the ring, between the compiled parts
 def ring_attention(
     cp: UnboundContextParallel,
     q: torch.Tensor,

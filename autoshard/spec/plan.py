@@ -215,6 +215,11 @@ class Plan:
                     + ", ".join(f"{k}={v}" for k, v in others.items() if v > 1)
                     + "; use cp with dp only (Mesh(dp=.., cp=..)), or that dimension without cp"
                 )
+            if self.dropout_masks != "per_rank":
+                raise PlanError(
+                    f"dropout_masks={self.dropout_masks!r} draws each mask for the global batch as one device does; "
+                    f"under cp={self.cp} this version draws each rank's own (dropout_masks='per_rank')"
+                )
 
     @property
     def schedule_name(self) -> str:

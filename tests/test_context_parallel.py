@@ -1,0 +1,164 @@
+"""Context parallelism: each cp rank computes on its share of every sequence; training equals one device's."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from cases import build_case, compile_case, train_plan, train_single_device
+from compiled_cases import train_compiled
+from context_cases import ring_against_sdpa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_tp import assert_state_close
+
+import autoshard
+from autoshard.errors import InputError, PlanError
+from autoshard.graph_ops import context
+
+SEQ = {"gpt2": 256, "llama": 256, "bert": 64}  # llama and gpt2 at a length the acceptance names, bert shorter
+
+
+@functools.cache
+def reference(family: str, **shape) -> tuple[list[float], dict]:
+    return train_single_device(family, **shape)
+
+
+def shape_of(family: str, seq: int | None = None) -> dict:
+    seq = seq or SEQ[family]
+    return {"seq": seq, "positions": seq}
+
+
+def run_cp(ranks, family: str, mesh: dict, plan: dict, seq: int | None = None) -> list[dict]:
+    shape = shape_of(family, seq)
+    world = mesh.get("dp", 1) * mesh.get("cp", 1)
+    results = ranks(world).run(train_plan, family, mesh, plan, **shape)
+    ref_losses, ref_state = reference(family, **shape)
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert_state_close(results[0]["state"], ref_state)  # consolidated on rank 0
+    return results
+
+
+def test_chunk_positions_balance_causal_work() -> None:
+    """Rank i holds chunks i and 2N-1-i of 2N: every rank the same number of (query, earlier key) pairs."""
+    seq, degree = 32, 4
+    held = [context.chunk_positions(seq, r, degree) for r in range(degree)]
+    assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(seq))
+    assert torch.equal(held[1], torch.tensor([4, 5, 6, 7, 24, 25, 26, 27]))
+    work = [int((pos + 1).sum()) for pos in held]
+    assert len(set(work)) == 1
+    with pytest.raises(InputError, match="multiple of 8"):
+        context.chunk_positions(36, 0, degree)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_equals_sdpa(ranks, world) -> None:
+    """Ring attention of each rank's tokens, forward and backward, against SDPA over the whole sequence in
+    float64: causal, grouped-query (1 and 2 K/V heads for 4), padding, random and additive masks."""
+    cases = [
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": None, "causal": True},
+        {"heads": 4, "kv_heads": 2, "seq": 16, "mask": None, "causal": True},
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "padding", "causal": False},
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "random", "causal": False},
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "additive", "causal": True},
+        {"heads": 4, "kv_heads": 1, "seq": 32, "mask": "padding", "causal": True},
+    ]
+    for rank_result in ranks(world).run(ring_against_sdpa, cases):
+        for case, diffs in zip(cases, rank_result):
+            for name in ("out", "dq", "dk", "dv"):
+                assert diffs[name] < 1e-12, (case, name, diffs)
+            # K and V go round once forward, again backward, and their gradients once more (only K/V heads)
+            block = 2 * case["kv_heads"] * (case["seq"] // world) * 8 * 8
+            assert diffs["ring_bytes"] == 2 * block * (2 * (world - 1) + world), case
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh", "plan"),
+    [
+        ("gpt2", {"cp": 2}, {}),
+        ("llama", {"cp": 4}, {"zero": 3}),
+        ("bert", {"dp": 2, "cp": 2}, {"zero": 1, "recompute": "full"}),
+        ("gpt2", {"dp": 2, "cp": 2}, {"zero": 2, "microbatches": 2, "max_grad_norm": 0.5}),
+    ],
+    ids=["gpt2-cp2", "llama-cp4-zero3", "bert-dp2-cp2-zero1-full", "gpt2-dp2-cp2-zero2-accumulate-clip"],
+)
+def test_cp_trains_as_one_device(ranks, family, mesh, plan) -> None:
+    """GPT-2 (learned positions), Llama (rotary, GQA) and BERT (bidirectional) at sequences of 64-256: losses and
+    consolidated parameters equal single-device training, over cp alone and with dp, ZeRO, recomputation,
+    accumulation and clipping."""
+    run_cp(ranks, family, mesh, plan)
+
+
+CP_GRID = [
+    (family, mesh, plan)
+    for family in ("gpt2", "llama", "bert")
+    for mesh in ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2})
+    for plan in ({}, {"zero": 3}, {"recompute": "full"}, {"zero": 1, "recompute": "selective"})
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "mesh", "plan"), CP_GRID)
+def test_cp_grid(ranks, family, mesh, plan) -> None:
+    run_cp(ranks, family, mesh, plan)
+
+
+@settings(max_examples=2)
+@given(st.sampled_from(CP_GRID))
+def test_cp_grid_sample(ranks, case) -> None:
+    """A drawn sample of the grid above (all of it under -m slow)."""
+    run_cp(ranks, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_cp_at_a_sequence_of_1024(ranks, family) -> None:
+    run_cp(ranks, family, {"cp": 4}, {}, seq=1024)
+
+
+def test_cp_under_torch_compile(ranks) -> None:
+    """torch_compile=True (aot_eager): the compiled parts run each rank's tokens, the ring stays eager."""
+    shape = shape_of("llama", 64)
+    ref_losses, ref_state = reference("llama", **shape)
+    results = ranks(2).run(train_compiled, "llama", {"cp": 2}, {}, "aot_eager", **shape)
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert_state_close(results[0]["state"], ref_state)
+
+
+def test_the_cp_graph_shows_rings_and_local_sizes() -> None:
+    """Offline (no process group): every attention is ring attention, the token inputs are cut where they enter,
+    the positions' embedding where it meets the tokens, and sharded values carry their local sizes."""
+    case = build_case("gpt2", steps=1, **shape_of("gpt2", 32))
+    program = compile_case(case, autoshard.Mesh(cp=2), plan={})
+    gm = program.compiled.captured.gm
+    rings = [n for n in gm.graph.nodes if n.target is context.ring_attention]
+    assert len(rings) == 2
+    report = program.compiled.cp_report
+    assert report.inputs == ["flat_0"] and len(report.attention) == 2 and "embedding_1" not in report.sliced
+    assert report.loss.startswith("partial over cp")
+    layer_norm = next(n for n in gm.graph.nodes if n.name == "layer_norm")
+    assert str(layer_norm.meta["autoshard.shape"].tensor.sizes[1]) == "S/2"
+    assert "S(1)" in str(layer_norm.meta["autoshard.cp"].out) or layer_norm.meta["autoshard.cp"].out.dim == 1
+    assert "cp=2" in str(program.plan)
+
+
+def test_cp_refuses_what_it_cannot_split() -> None:
+    """One clear error before any rank works: a sequence that does not split into 2 x cp chunks, attention written
+    out as matmul -> softmax -> matmul, attention dropout, and cp with tp."""
+    with pytest.raises(InputError, match="multiple of 8"):
+        compile_case(build_case("gpt2", steps=1, seq=12), autoshard.Mesh(cp=4), plan={})
+    with pytest.raises(PlanError, match=r"mixes tokens outside attention.*attn_implementation='sdpa'"):
+        compile_case(build_case("gpt2", steps=1, seq=16, attention="eager"), autoshard.Mesh(cp=2), plan={})
+    with pytest.raises(PlanError, match="attention with dropout"):
+        compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), plan={})
+    with pytest.raises(PlanError, match="not yet with tp=2"):
+        compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=2, tp=2), plan={})
+
+
+def test_the_mesh_puts_cp_between_dp_and_tp() -> None:
+    mesh = autoshard.Mesh(dp=2, cp=2, tp=2)
+    assert mesh.size == 8 and mesh.coords(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
+    assert mesh.group("cp", 5) == [5, 7] and mesh.group(("dp", "cp"), 5) == [1, 3, 5, 7]
+    assert mesh.replica_index(7) == 3 and "cp=2" in str(mesh)
