@@ -31,6 +31,7 @@ import sympy
 import torch
 from torch import fx
 
+from autoshard.graph_ops import context as cp_ops
 from autoshard.graph_ops import masks as mask_ops
 from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
@@ -193,6 +194,16 @@ def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tupl
     if target is tp_ops.vocab_parallel_cross_entropy:  # the local softmax; the target, a row index, two masks
         logits, rows = get_shape(node.args[1]).tensor, get_shape(node.args[2]).tensor.numel
         return [(("own", node, 0), logits.nbytes), (node.args[2], 0), (("own", node, 1), rows * 10)]
+    if target is cp_ops.ring_attention:  # q, k, v, the mask rows, the output and its log-sum-exp (fp32 at least)
+        q, k, v = node.args[1:4]
+        mask = node.args[4] if len(node.args) > 4 else node.kwargs.get("attn_mask")
+        lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4
+        kept = [(q, 0), (k, 0), (v, 0), *([(mask, 0)] if isinstance(mask, fx.Node) else []), (node, 0)]
+        return [*kept, (("own", node, 0), lse)]
+    if target is cp_ops.cross_entropy:  # as aten's, on this rank's tokens
+        return _aten_saves(node, aten.cross_entropy_loss.default, node.args[1:], node.kwargs, device_type, dtypes)
+    if target in (cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.replica_mean):  # an index, or nothing
+        return []
     if target is mask_ops.dropout:  # x * mask: the single-device mask, in x's dtype
         return [(("own", node, 0), get_shape(node).nbytes)] if get_shape(node.args[2]).requires_grad else []
     if target in WRAPPERS:  # the wrapped op, as if called directly

@@ -12,42 +12,54 @@ from autoshard.distributed.comm import CommCounter
 from autoshard.graph_ops import context
 
 
-def ring_against_sdpa(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """For each case (heads, kv_heads, seq, mask: None | "padding" | "random" | "additive", causal): this rank's
-    ring attention of its tokens, forward and backward, against SDPA on the whole sequence (every rank draws
-    the same q, k, v, mask and output gradient); the largest differences."""
+def ring_against_sdpa(
+    rank: int, world_size: int, cases: list[dict[str, Any]], fused: bool = True
+) -> list[dict[str, float]]:
+    """For each case (heads, kv_heads, seq, mask: None | "padding" | "random" | "additive" | "causal", causal):
+    this rank's ring attention of its tokens, forward and backward, against SDPA on the whole sequence (every
+    rank draws the same q, k, v, mask and output gradient); the largest differences. ``fused=False``: the
+    blocks as other devices than the CPU compute them (the formulas written out)."""
     cp = context.ContextParallel(world_size, rank, list(range(world_size)), dist.group.WORLD, CommCounter())
-    out = []
-    for case in cases:
-        gen = torch.Generator().manual_seed(case.get("seed", 0))
-        batch, heads, kv_heads, seq, dim = 2, case["heads"], case["kv_heads"], case["seq"], 8
-        q = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64)
-        k = torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=torch.float64)
-        v = torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=torch.float64)
-        grad = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64)
-        mask = None
-        if case["mask"] == "padding":  # the last keys of the second row are padding
-            mask = torch.ones(batch, 1, 1, seq, dtype=torch.bool)
-            mask[1, ..., seq - seq // 4 :] = False
-        elif case["mask"] == "random":  # every query keeps its own key (no row wholly masked)
-            mask = (torch.rand(batch, 1, seq, seq, generator=gen) > 0.4) | torch.eye(seq, dtype=torch.bool)
-        elif case["mask"] == "additive":
-            mask = torch.randn(batch, 1, seq, seq, generator=gen, dtype=torch.float64)
-        whole = [t.clone().requires_grad_() for t in (q, k, v)]
-        gqa = {"enable_gqa": True} if kv_heads != heads else {}
-        expected = F.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=case["causal"], **gqa)
-        expected.backward(grad)
-        pos = cp.positions(seq, q.device)
-        local = [t.index_select(2, pos).clone().requires_grad_() for t in (q, k, v)]
-        rows = mask if mask is None or mask.shape[-2] == 1 else mask.index_select(2, pos)
-        got = context.ring_attention(
-            cp, *local, rows, is_causal=case["causal"], enable_gqa=bool(gqa), seq_len=seq
-        )  # fmt: skip
-        got.backward(grad.index_select(2, pos))
-        diffs = {"out": (got - expected.index_select(2, pos)).abs().max().item()}
-        for name, mine, ref in zip(("dq", "dk", "dv"), local, whole):
-            diffs[name] = (mine.grad - ref.grad.index_select(2, pos)).abs().max().item()
-        diffs["ring_bytes"] = float(cp.comm.volume_bytes["cp_ring"])
-        cp.comm.reset()
-        out.append(diffs)
-    return out
+    kernel = context._fused
+    if not fused:
+        context._fused = lambda q: False
+    try:
+        return [_one_case(cp, case) for case in cases]
+    finally:
+        context._fused = kernel
+
+
+def _one_case(cp: context.ContextParallel, case: dict[str, Any]) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    batch, heads, kv_heads, seq, dim = 2, case["heads"], case["kv_heads"], case["seq"], 8
+    q = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64)
+    mask = None
+    if case["mask"] == "padding":  # the last keys of the second row are padding
+        mask = torch.ones(batch, 1, 1, seq, dtype=torch.bool)
+        mask[1, ..., seq - seq // 4 :] = False
+    elif case["mask"] == "random":  # every query keeps its own key (no row wholly masked)
+        mask = (torch.rand(batch, 1, seq, seq, generator=gen) > 0.4) | torch.eye(seq, dtype=torch.bool)
+    elif case["mask"] == "additive":
+        mask = torch.randn(batch, 1, seq, seq, generator=gen, dtype=torch.float64)
+    elif case["mask"] == "causal":  # as Hugging Face models pass it: whole quarters of blocks hidden
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, 1, seq, seq)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    gqa = {"enable_gqa": True} if kv_heads != heads else {}
+    expected = F.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=case["causal"], **gqa)
+    expected.backward(grad)
+    pos = cp.positions(seq, q.device)
+    local = [t.index_select(2, pos).clone().requires_grad_() for t in (q, k, v)]
+    rows = mask if mask is None or mask.shape[-2] == 1 else mask.index_select(2, pos)
+    got = context.ring_attention(
+        cp, *local, rows, is_causal=case["causal"], enable_gqa=bool(gqa), seq_len=seq
+    )  # fmt: skip
+    got.backward(grad.index_select(2, pos))
+    diffs = {"out": (got - expected.index_select(2, pos)).abs().max().item()}
+    for name, mine, ref in zip(("dq", "dk", "dv"), local, whole):
+        diffs[name] = (mine.grad - ref.grad.index_select(2, pos)).abs().max().item()
+    diffs["ring_bytes"] = float(cp.comm.volume_bytes["cp_ring"])
+    cp.comm.reset()
+    return diffs

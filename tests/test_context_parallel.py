@@ -53,11 +53,13 @@ def test_chunk_positions_balance_causal_work() -> None:
         context.chunk_positions(36, 0, degree)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_equals_sdpa(ranks, world) -> None:
+@pytest.mark.parametrize(("world", "fused"), [(2, True), (4, True), (2, False)], ids=["cp2", "cp4", "cp2-formulas"])
+def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
     """Ring attention of each rank's tokens, forward and backward, against SDPA over the whole sequence in
-    float64: causal, grouped-query (1 and 2 K/V heads for 4), padding, random and additive masks."""
+    float64: causal, grouped-query (1 and 2 K/V heads for 4), padding, random, additive and causal masks; with
+    the CPU's fused kernel a block and with the formulas other devices run."""
     cases = [
+        {"heads": 4, "kv_heads": 4, "seq": 32, "mask": "causal", "causal": False},
         {"heads": 4, "kv_heads": 4, "seq": 16, "mask": None, "causal": True},
         {"heads": 4, "kv_heads": 2, "seq": 16, "mask": None, "causal": True},
         {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "padding", "causal": False},
@@ -65,7 +67,7 @@ def test_ring_attention_equals_sdpa(ranks, world) -> None:
         {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "additive", "causal": True},
         {"heads": 4, "kv_heads": 1, "seq": 32, "mask": "padding", "causal": True},
     ]
-    for rank_result in ranks(world).run(ring_against_sdpa, cases):
+    for rank_result in ranks(world).run(ring_against_sdpa, cases, fused):
         for case, diffs in zip(cases, rank_result):
             for name in ("out", "dq", "dk", "dv"):
                 assert diffs[name] < 1e-12, (case, name, diffs)

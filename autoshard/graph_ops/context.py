@@ -198,65 +198,146 @@ def cross_entropy(
 
 
 # ---- ring attention -------------------------------------------------------------------------------------
-
-
-def _block_scores(q, k, scale, mask, q_pos, k_pos, causal):  # noqa: ANN001, ANN202 - internal kernel
-    """Scores of q against one K block, in fp32 at least, masked positions -inf."""
-    acc = _accumulate(q)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.to(acc)
-    if causal:
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return scores
+#
+# One step of the ring attends this rank's queries to one rank's K/V block. A block is computed by the
+# device's fused attention kernel where it returns its log-sum-exp (the CPU's flash kernel), else by the
+# same formulas written out; its backward takes the merged output and log-sum-exp, so each block's
+# gradients are exactly its part of the whole. Work the mask rules out is skipped: with is_causal, a block
+# of an earlier rank's tokens is read by every query but only its first chunk of keys counts, one of a later
+# rank's only by this rank's second chunk of queries (torch's and Megatron's head-tail split); with a mask
+# (the form Hugging Face models pass), each quarter (a chunk of queries by a chunk of keys) that the mask
+# hides entirely.
 
 
 def _accumulate(x: torch.Tensor) -> torch.dtype:
-    """What scores and partial results accumulate in: fp32, or the inputs' dtype where wider."""
+    """What partial results accumulate in: fp32, or the inputs' dtype where wider."""
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _mask_columns(mask: torch.Tensor | None, k_pos: torch.Tensor) -> torch.Tensor | None:
-    """A mask over this rank's query rows and every key: the columns of one block's keys."""
-    if mask is None or mask.shape[-1] == 1:
-        return mask
-    return mask.index_select(mask.dim() - 1, k_pos)
+def _as_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A mask as the additive bias the kernels take (-inf where a bool mask hides a key)."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
 
 
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _block_forward(q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202 - kernel
+    """(output, log-sum-exp) of q over one block of keys; rows the bias hides wholly get -inf."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    else:
+        scores = _scores(q, k, bias, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+        out = torch.matmul(probs, v.to(probs.dtype)).to(q.dtype)
+    if bias is not None:  # a row with no visible key: nothing to merge (the kernel reports lse 0)
+        lse = lse.masked_fill(~torch.isfinite(bias).any(-1).expand(lse.shape), float("-inf"))
+    return out, lse
+
+
+def _block_backward(grad_out, q, k, v, out, lse, bias, causal, scale):  # noqa: ANN001, ANN202 - kernel
+    """Gradients of q, k, v from one block, given the merged output and log-sum-exp of every block."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    acc = _accumulate(q)
+    scores = _scores(q, k, bias, causal, scale)
+    probs = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    grad_out = grad_out.to(acc)
+    delta = (grad_out * out.to(acc)).sum(-1, keepdim=True)
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+    grad_scores = probs * (torch.matmul(grad_out, v.to(acc).transpose(-2, -1)) - delta)
+    grad_q = torch.matmul(grad_scores, k.to(acc)) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.to(acc)) * scale
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def _scores(q, k, bias, causal, scale):  # noqa: ANN001, ANN202 - kernel
+    acc = _accumulate(q)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias.to(acc)
+    if causal:  # top-left aligned, as SDPA's is_causal (used on a rank's own, square block)
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def _calls(bias, causal, rank, src, rows):  # noqa: ANN001, ANN202 - planning of one step
+    """The kernel calls of one step: (query rows, key columns, is_causal) each, rows and columns as slices."""
+    everything, half = slice(None), rows // 2
+    chunks = (slice(0, half), slice(half, rows))
+    if bias is None:
+        if not causal:
+            return [(everything, everything, False)]
+        if src == rank:  # the rank's own block: chunk order follows positions, so causal is local
+            return [(everything, everything, True)]
+        # an earlier rank's block: only its first chunk precedes both of ours; a later one: only our second
+        # chunk follows both of its chunks
+        return [(everything, chunks[0], False)] if src < rank else [(chunks[1], everything, False)]
+    if bias.shape[-1] == 1:
+        return [(everything, everything, False)]
+    by_rows = chunks if bias.shape[-2] != 1 else (everything,)
+    calls = []
+    for r in by_rows:
+        seen = [bool(torch.isfinite(bias[..., r, c]).any()) for c in chunks]
+        if all(seen):
+            calls.append((r, everything, False))
+        elif any(seen):
+            calls.append((r, chunks[seen.index(True)], False))
+    return calls
+
+
+def _rows(bias, r, c):  # noqa: ANN001, ANN202
+    if bias is None:
+        return None
+    return bias[..., r if bias.shape[-2] != 1 else slice(None), c if bias.shape[-1] != 1 else slice(None)]
+
+
+def _merge(out, lse, part_out, part_lse, rows):  # noqa: ANN001, ANN202
+    """Online softmax: the running (output, log-sum-exp) of ``rows`` merged with one block's."""
+    old_out, old_lse = out[..., rows, :], lse[..., rows]
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    base = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+    keep = torch.where(torch.isfinite(old_lse), torch.exp(old_lse - base), 0.0)
+    take = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - base), 0.0)
+    out[..., rows, :] = old_out * keep.unsqueeze(-1) + part_out.to(out.dtype) * take.unsqueeze(-1)
+    lse[..., rows] = new_lse
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, q, k, v, mask, causal, scale, seq_len):  # noqa: ANN001, ANN205 - autograd signature
         degree, heads = cp.degree, q.shape[-3]
-        q_pos = cp.positions(seq_len, q.device)
         acc = _accumulate(q)
+        k, v = k.contiguous(), v.contiguous()
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=acc)
-        block, works = (k, v), []
+        bias = _as_bias(mask, q.dtype)
+        q_pos = cp.positions(seq_len, q.device)
+        block = (k, v)
         for step in range(degree):
             if step + 1 < degree:  # the next block travels while this one is computed
                 incoming, works = cp.exchange(list(block))
             src = (cp.rank - step) % degree
-            k_pos = cp.positions(seq_len, q.device, src)
-            scores = _block_scores(
-                q, _repeat_kv(block[0], heads), scale, _mask_columns(mask, k_pos), q_pos, k_pos, causal
-            )
-            block_lse = torch.logsumexp(scores, dim=-1)
-            seen = torch.isfinite(block_lse)
-            probs = torch.exp(scores - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
-            block_out = torch.matmul(probs, _repeat_kv(block[1], heads).to(acc))
-            new_lse = torch.logaddexp(lse, block_lse)
-            new_finite = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
-            keep = torch.where(torch.isfinite(lse), torch.exp(lse - new_finite), 0.0)
-            take = torch.where(seen, torch.exp(block_lse - new_finite), 0.0)
-            out = out * keep.unsqueeze(-1) + block_out * take.unsqueeze(-1)
-            lse = new_lse
+            columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
+            kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
+            for r, c, local_causal in _calls(columns, causal, cp.rank, src, q.shape[-2]):
+                part_out, part_lse = _block_forward(
+                    q[..., r, :], kb[..., c, :], vb[..., c, :], _rows(columns, r, c), local_causal, scale
+                )
+                _merge(out, lse, part_out, part_lse.to(acc), r)
             if step + 1 < degree:
                 cp.wait(works)
                 block = tuple(incoming)
@@ -270,11 +351,11 @@ class _RingAttention(torch.autograd.Function):
         cp, causal, scale, seq_len = ctx.cp, ctx.causal, ctx.scale, ctx.seq_len
         q, k, v, mask, out, lse = ctx.saved_tensors
         degree, heads, kv_heads = cp.degree, q.shape[-3], k.shape[-3]
-        q_pos = cp.positions(seq_len, q.device)
         acc = _accumulate(q)
-        grad_out = grad_out.to(acc)
-        delta = (grad_out * out.to(acc)).sum(-1, keepdim=True)
-        finite_lse = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
+        grad_out = grad_out.contiguous()
+        bias = _as_bias(mask, q.dtype)
+        q_pos = cp.positions(seq_len, q.device)
+        lse = torch.where(torch.isfinite(lse), lse, 0.0).to(acc)
         grad_q = torch.zeros(q.shape, device=q.device, dtype=acc)
         # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it
         # round the ring, home after a lap.
@@ -284,15 +365,18 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < degree:
                 incoming, kv_works = cp.exchange(list(kv))
             src = (cp.rank - step) % degree
-            k_pos = cp.positions(seq_len, q.device, src)
+            columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
             kb, vb = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
-            scores = _block_scores(q, kb, scale, _mask_columns(mask, k_pos), q_pos, k_pos, causal)
-            probs = torch.exp(scores - finite_lse)
-            grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-            grad_probs = torch.matmul(grad_out, vb.to(acc).transpose(-2, -1))
-            grad_scores = probs * (grad_probs - delta)
-            grad_q += torch.matmul(grad_scores, kb.to(acc)) * scale
-            grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.to(acc)) * scale
+            grad_k = torch.zeros(kb.shape, device=q.device, dtype=acc)
+            grad_v = torch.zeros(vb.shape, device=q.device, dtype=acc)
+            for r, c, local_causal in _calls(columns, causal, cp.rank, src, q.shape[-2]):
+                dq, dk, dv = _block_backward(
+                    grad_out[..., r, :], q[..., r, :], kb[..., c, :], vb[..., c, :], out[..., r, :],
+                    lse[..., r], _rows(columns, r, c), local_causal, scale,
+                )  # fmt: skip
+                grad_q[..., r, :] += dq
+                grad_k[..., c, :] += dk
+                grad_v[..., c, :] += dv
             if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
@@ -303,6 +387,19 @@ class _RingAttention(torch.autograd.Function):
                 kv = tuple(incoming)
         grad_k, grad_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _block_bias(bias, causal, q_pos, k_pos):  # noqa: ANN001, ANN202
+    """The bias of one block: the columns of its keys, and the causal rule on global positions where the
+    model gives a mask too (else None, and the calls follow is_causal)."""
+    if bias is None:
+        return None
+    if bias.shape[-1] != 1:
+        bias = bias.index_select(bias.dim() - 1, k_pos)
+    if causal:
+        hidden = k_pos[None, :] > q_pos[:, None]
+        bias = bias.expand(*bias.shape[:-2], len(q_pos), len(k_pos)).masked_fill(hidden, float("-inf"))
+    return bias
 
 
 @stays_eager  # point-to-point sends round the ring, between the compiled parts
