@@ -17,7 +17,7 @@ import autoshard
 from autoshard.errors import InputError, PlanError
 from autoshard.graph_ops import context
 
-SEQ = {"gpt2": 256, "llama": 256, "bert": 64}  # llama and gpt2 at a length the acceptance names, bert shorter
+SEQ = {"gpt2": 256, "llama": 256, "bert": 256}
 
 
 @functools.cache
@@ -77,20 +77,20 @@ def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "mesh", "plan"),
+    ("family", "mesh", "plan", "seq"),
     [
-        ("gpt2", {"cp": 2}, {}),
-        ("llama", {"cp": 4}, {"zero": 3}),
-        ("bert", {"dp": 2, "cp": 2}, {"zero": 1, "recompute": "full"}),
-        ("gpt2", {"dp": 2, "cp": 2}, {"zero": 2, "microbatches": 2, "max_grad_norm": 0.5}),
+        ("gpt2", {"cp": 2}, {}, 256),
+        ("llama", {"cp": 4}, {"zero": 3}, 64),
+        ("bert", {"dp": 2, "cp": 2}, {"zero": 1, "recompute": "full"}, 64),
+        ("gpt2", {"dp": 2, "cp": 2}, {"zero": 2, "microbatches": 2, "max_grad_norm": 0.5}, 64),
     ],
     ids=["gpt2-cp2", "llama-cp4-zero3", "bert-dp2-cp2-zero1-full", "gpt2-dp2-cp2-zero2-accumulate-clip"],
 )
-def test_cp_trains_as_one_device(ranks, family, mesh, plan) -> None:
+def test_cp_trains_as_one_device(ranks, family, mesh, plan, seq) -> None:
     """GPT-2 (learned positions), Llama (rotary, GQA) and BERT (bidirectional) at sequences of 64-256: losses and
     consolidated parameters equal single-device training, over cp alone and with dp, ZeRO, recomputation,
-    accumulation and clipping."""
-    run_cp(ranks, family, mesh, plan)
+    accumulation and clipping (the grid below runs each family at 256 tokens, and 1024, under -m slow)."""
+    run_cp(ranks, family, mesh, plan, seq)
 
 
 CP_GRID = [
@@ -120,6 +120,7 @@ def test_cp_at_a_sequence_of_1024(ranks, family) -> None:
     run_cp(ranks, family, {"cp": 4}, {}, seq=1024)
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_cp_under_torch_compile(ranks) -> None:
     """torch_compile=True (aot_eager): the compiled parts run each rank's tokens, the ring stays eager."""
     shape = shape_of("llama", 64)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,17 @@ def blocks(page: Path) -> list[Block]:
 
 
 ALL = [b for page in PAGES for b in blocks(page)]
+# The longest pages' blocks (15-30 s each) run under -m slow; the default run keeps the rest of every page.
+SLOW_BLOCKS = {
+    "docs/guides/inspection.md#0-python", "docs/guides/inspection.md#1-bash", "docs/guides/checkpoints.md#0-python",
+    "docs/guides/planner.md#0-python", "docs/gpus-and-nodes.md#0-bash", "docs/guides/experts.md#0-python",
+}  # fmt: skip
+
+
+def _params(kept: list[Block]) -> list[Any]:
+    return [pytest.param(b, id=b.id, marks=pytest.mark.slow if b.id in SLOW_BLOCKS else ()) for b in kept]
+
+
 SCRIPTS = [b for b in ALL if b.language == "python"]
 COMMANDS = [b for b in ALL if b.language == "bash"]
 
@@ -89,7 +101,7 @@ def _matches(expected: str, printed: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("block", SCRIPTS, ids=[b.id for b in SCRIPTS])
+@pytest.mark.parametrize("block", _params(SCRIPTS))
 def test_every_python_block_runs(block: Block, tmp_path: Path) -> None:
     printed = run_script(block, tmp_path)
     page = blocks(block.page)
@@ -102,7 +114,7 @@ def _ci_commands() -> list[str]:
     return (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-@pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
+@pytest.mark.parametrize("block", _params(COMMANDS))
 def test_every_command_block_runs(block: Block, tmp_path: Path) -> None:
     scripts = {re.fullmatch(r"# torchrun --nproc-per-node \d+ ([\w.]+\.py)", b.text.splitlines()[0].strip())
                for b in blocks(block.page) if b.language == "python"}  # fmt: skip

@@ -77,6 +77,7 @@ def test_torchrun_pipeline_example_trains_on_two_ranks() -> None:
     assert len(losses) == 3 and "trained" in out.stdout
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_torchrun_pipeline_example_trains_a_v_shaped_zero_bubble_pipeline() -> None:
     out = torchrun_two_ranks("train_pp.py", "--steps", "3", "--schedule", "zbv")
     assert "schedule=zbv, microbatches=4, virtual_stages=2" in out.stdout
@@ -143,6 +144,7 @@ def _losses(stdout: str) -> list[float]:
     return [float(m) for m in re.findall(r"^step \d+: loss (\S+)$", stdout, re.M)]
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_plan_70b_example_plans_1024_ranks_offline(tmp_path: Path) -> None:
     page = tmp_path / "l70.html"
     cmd = [sys.executable, str(ROOT / "examples" / "plan_70b.py"), "--layers", "2", "--report", str(page)]

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     args = ["--out", str(tmp_path), "--device", "cpu", "--size", "tiny", "--steps", "3", "--backend", "aot_eager",
             "--sections", "single,offload", "--autocast", "bf16"]  # fmt: skip

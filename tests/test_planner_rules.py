@@ -207,6 +207,7 @@ def test_default_microbatches_are_the_most_that_divide_the_rows(rows: int, pp: i
     assert default_microbatches(rows, pp, schedule) == expected
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None:
     results = ranks(4).run(measured_hardware, 2)
     measured = [Hardware.from_json(rank[0][0]) for rank in results]

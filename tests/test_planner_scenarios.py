@@ -146,6 +146,7 @@ def test_a_mixture_of_experts_splits_its_experts_inside_a_node() -> None:
     assert chosen.ep > 1 and chosen.ep * chosen.tp <= H100.devices_per_node, chosen
 
 
+@pytest.mark.slow  # long (15-35 s): under -m slow
 def test_expert_parallelism_crosses_nodes_only_over_fast_links() -> None:
     """32 experts: with the preset's inter-node links ep spans nodes (a rank holds fewer experts); with those
     links 20x slower the all-to-alls keep inside a node."""

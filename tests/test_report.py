@@ -114,7 +114,9 @@ def test_report_of_a_trained_program_opens_cleanly(ranks, tmp_path: Path, name: 
 
 
 @needs_chromium
-@pytest.mark.parametrize("name, mesh", [("3d", autoshard.Mesh(dp=2, tp=2, pp=2)), ("1024", 1024)])
+@pytest.mark.parametrize(
+    "name, mesh", [("3d", autoshard.Mesh(dp=2, tp=2, pp=2)), pytest.param("1024", 1024, marks=pytest.mark.slow)]
+)
 def test_report_of_an_offline_plan_opens_cleanly(tmp_path: Path, name: str, mesh) -> None:
     with torch.device("meta"):
         model = TinyGPT(layers=4) if name == "3d" else TinyGPT(vocab=32000, dim=1024, heads=16, layers=8)

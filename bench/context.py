@@ -1,0 +1,224 @@
+"""Context parallelism: autoshard's cp against torch's ring attention, and what a rank keeps for backward.
+
+torch's ``context_parallel`` dispatches only the CUDA attention kernels to its ring; on the CPU its own ring
+functions (``_templated_ring_attention`` and its backward, with the head-tail load balancer) run here on the
+CPU's flash kernel, the same kernel autoshard's ring calls, under DDP over the cp ranks: the hand-written
+form of torch's context parallelism a user would run on this machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from allocations import allocation_trace
+from torch import nn
+
+import autoshard
+from autoshard.graph_ops import context
+from autoshard.launch import LocalRanks
+from autoshard.models import TinyGPT, next_token_loss
+
+aten = torch.ops.aten
+GPT = {"vocab": 256, "dim": 128, "heads": 4, "layers": 2}
+
+
+def _model(seq: int) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(GPT["vocab"], GPT["dim"], GPT["heads"], GPT["layers"], max_seq=seq)
+
+
+def _batch(seq: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, GPT["vocab"], (batch, seq + 1), generator=gen)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class _TorchRing(torch.autograd.Function):
+    """torch's ring attention (its templated forward and backward, head-tail balanced) on the CPU flash kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):  # noqa: ANN001, ANN205
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        out, lse = cp._templated_ring_attention(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v, is_causal=True, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = cp._templated_ring_attention_backward(
+            ctx.group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward, grad_out.contiguous(), "grad_out",
+            q, k, v, out, lse, True, dropout_p=0.0, scale=ctx.scale,
+        )  # fmt: skip
+        return grads[0], grads[1], grads[2], None, None
+
+
+class _TorchCPGPT(nn.Module):
+    """TinyGPT as torch's context parallelism runs it: this rank's positions passed in (the user shards them as
+    a buffer), attention through torch's ring."""
+
+    def __init__(self, model: TinyGPT, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.model, self.group = model, group
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        x = m.wte(ids) + m.wpe(positions)
+        for block in m.blocks:
+            b, s, d = x.shape
+            q, k, v = block.qkv(block.ln_1(x)).split(d, dim=-1)
+            q, k, v = (t.view(b, s, block.heads, d // block.heads).transpose(1, 2) for t in (q, k, v))
+            attn = _TorchRing.apply(q, k, v, self.group, (d // block.heads) ** -0.5)
+            x = x + block.proj(attn.transpose(1, 2).reshape(b, s, d))
+            x = x + block.fc_out(F.gelu(block.fc(block.ln_2(x))))
+        return m.lm_head(m.ln_f(x))
+
+
+def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: int) -> dict[str, Any]:
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    cp_attention._cp_options.enable_load_balance = True
+    ids, target = _batch(seq)
+    program = autoshard.compile(
+        _model(seq), autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, optimizer=_adamw,
+        example_target=target, plan={},
+    )  # fmt: skip
+    group = dist.group.WORLD
+    theirs_model = nn.parallel.DistributedDataParallel(_TorchCPGPT(_model(seq), group))
+    theirs_opt = _adamw(theirs_model.parameters())
+    positions = context.chunk_positions(seq, rank, world_size)  # torch's head-tail order is the same split
+    mine_ids, mine_target = ids.index_select(1, positions), target.index_select(1, positions)
+
+    def ours() -> float:
+        return program.step(ids, target=target)
+
+    def torch_ring() -> float:
+        theirs_opt.zero_grad()
+        loss = next_token_loss(theirs_model(mine_ids, positions.unsqueeze(0)), mine_target)
+        loss.backward()
+        theirs_opt.step()
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        return reported.item() / world_size
+
+    systems = {"autoshard": ours, "torch": torch_ring}
+    losses = {name: [fn() for _ in range(2)] for name, fn in systems.items()}
+    for name, seen in losses.items():
+        if any(abs(a - b) > 1e-4 * abs(b) for a, b in zip(seen, losses["autoshard"])):
+            raise AssertionError(f"losses differ: autoshard {losses['autoshard']}, {name} {seen}")
+    timings: dict[str, list[float]] = {name: [] for name in systems}
+    exposed, total = [], []
+    names = list(systems)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            program.comm.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                systems[name]()
+            dist.barrier()
+            timings[name].append((time.perf_counter() - start) / steps)
+            if name == "autoshard":
+                exposed.append(program.comm.seconds["cp_ring"] / steps)
+    # The ring's own time: the same sends with nothing to overlap them (each step's K/V laps, forward and
+    # backward, and the gradients' lap), as the step's ring sent them.
+    cp = program.runtime.cp
+    volume = program.comm.volume_bytes["cp_ring"] / steps if program.comm.volume_bytes["cp_ring"] else 0
+    sends = max(1, program.comm.calls["cp_ring"] // steps)
+    block = torch.empty(max(1, int(volume // sends // 4)))
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(sends):
+            received, works = cp.exchange([block])
+            cp.wait(works)
+        total.append(time.perf_counter() - start)
+    return {"timings": timings, "exposed": exposed, "ring": total}
+
+
+def _rank_memory(rank: int, world_size: int, seq: int) -> dict[str, Any]:
+    """Bytes one forward of a rank keeps for backward: the allocator's, and the compiler's accounting."""
+    ids, target = _batch(seq)
+    program = autoshard.compile(
+        _model(seq), autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, optimizer=_adamw,
+        example_target=target, plan={},
+    )  # fmt: skip
+    program.step(ids, target=target)  # warm: the rank's positions and the optimizer's state are made
+    gm = program.runtime.graphs[0]
+    outputs, net, _ = allocation_trace(lambda: gm(ids, target))
+    kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
+    outputs[0].backward()
+    accounted = sum(memory.evaluate(B=1, S=seq)["kept"] for _, memory in program.compiled.cost.saved_for_backward)
+    return {"allocator": kept, "accounting": accounted}
+
+
+def _single_device_kept(seq: int) -> int:
+    model = _model(seq)
+    ids, target = _batch(seq)
+
+    def forward() -> torch.Tensor:
+        return next_token_loss(model(ids), target)
+
+    loss, net, _ = allocation_trace(forward)
+    kept = net - loss.untyped_storage().nbytes()
+    loss.backward()
+    return kept
+
+
+def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, memory_seq: int = 4096) -> None:
+    described = f"TinyGPT {GPT['layers']} blocks, width {GPT['dim']}, {GPT['heads']} heads, causal SDPA, one sequence"
+    mib = 2**20
+    with LocalRanks(ranks) as pool:
+        memory = pool.run(_rank_memory, memory_seq)
+    whole = _single_device_kept(memory_seq)
+    kept = max(r["allocator"] for r in memory)
+    accounted = max(r["accounting"] for r in memory)
+    report(
+        f"{described} of {memory_seq} tokens: activation bytes a rank keeps for backward at cp={ranks} vs one "
+        f"device (allocator; the compiler's accounting says {accounted / mib:.1f} MiB, "
+        f"{accounted / kept:.3f} of the allocator's)",
+        f"{kept / mib:.1f} MiB",
+        f"cp=1 {whole / mib:.1f} MiB",
+        kept / whole,
+        "<= 0.3 (accounting within 10%)",
+    )
+    with LocalRanks(ranks) as pool:
+        results = pool.run(_rank_step_time, seq, 2, 4)
+    step = {name: statistics.median(t for r in results for t in r["timings"][name]) for name in ("autoshard", "torch")}
+    report(
+        f"{described} of {seq} tokens: cp={ranks} step (gloo, CPU flash kernel on both sides)",
+        f"{step['autoshard'] * 1e3:.1f} ms",
+        f"torch's ring attention + DDP {step['torch'] * 1e3:.1f} ms",
+        step["autoshard"] / step["torch"],
+        "<= 1.0",
+    )
+    exposed = statistics.median(t for r in results for t in r["exposed"])
+    ring = statistics.median(t for r in results for t in r["ring"])
+    report(
+        f"{described} of {seq} tokens: cp={ranks} ring time a step leaves exposed (waits) vs the ring's sends alone",
+        f"{exposed * 1e3:.1f} ms",
+        f"{ring * 1e3:.1f} ms",
+        exposed / ring,
+        "<= 0.5",
+    )
+
+
+if __name__ == "__main__":
+    bench_context(lambda *a: print(*a))
