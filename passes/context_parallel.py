@@ -215,6 +215,24 @@ class _Propagation:
             return self._sum(ctx)
         if node.target in _VIEWS:
             return self._view(ctx)
+        if node.target is aten.flatten.using_ints:
+            return self._flatten(ctx)
+        return None
+
+    def _flatten(self, ctx: RuleInput) -> Decision | None:
+        """flatten(x, start, end): the tokens innermost of the merged dimensions stay this rank's, merged."""
+        x = ctx.node.args[0]
+        p, nd = self.p(x), ctx.ndim(x)
+        if not isinstance(p, Shard):
+            return None
+        start, end = (d % nd for d in (ctx.arg(1, "start_dim", 0), ctx.arg(2, "end_dim", -1)))
+        if p.dim < start:
+            return Decision(p)
+        if p.dim > end:
+            return Decision(Shard(p.dim - (end - start)))
+        if p.dim == end and x not in self.merged:
+            self.merged.add(ctx.node)
+            return Decision(Shard(start))
         return None
 
     def _attention(self, ctx: RuleInput) -> Decision:

@@ -321,7 +321,6 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, cp, q, k, v, mask, causal, scale, seq_len):  # noqa: ANN001, ANN205 - autograd signature
         degree, heads = cp.degree, q.shape[-3]
         acc = _accumulate(q)
-        k, v = k.contiguous(), v.contiguous()
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=acc)
         bias = _as_bias(mask, q.dtype)
@@ -357,35 +356,43 @@ class _RingAttention(torch.autograd.Function):
         q_pos = cp.positions(seq_len, q.device)
         lse = torch.where(torch.isfinite(lse), lse, 0.0).to(acc)
         grad_q = torch.zeros(q.shape, device=q.device, dtype=acc)
-        # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it
-        # round the ring, home after a lap.
+        # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it round
+        # the ring, home after a lap, each lap's send overlapped with the next block's work.
         kv: tuple[torch.Tensor, ...] = (k, v)
-        grads = [torch.zeros(t.shape, device=t.device, dtype=acc) for t in (k, v)]
         for step in range(degree):
             if step + 1 < degree:
                 incoming, kv_works = cp.exchange(list(kv))
             src = (cp.rank - step) % degree
             columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
             kb, vb = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
-            grad_k = torch.zeros(kb.shape, device=q.device, dtype=acc)
-            grad_v = torch.zeros(vb.shape, device=q.device, dtype=acc)
-            for r, c, local_causal in _calls(columns, causal, cp.rank, src, q.shape[-2]):
+            calls = _calls(columns, causal, cp.rank, src, q.shape[-2])
+            grad_k = grad_v = None
+            for r, c, local_causal in calls:
                 dq, dk, dv = _block_backward(
                     grad_out[..., r, :], q[..., r, :], kb[..., c, :], vb[..., c, :], out[..., r, :],
                     lse[..., r], _rows(columns, r, c), local_causal, scale,
                 )  # fmt: skip
                 grad_q[..., r, :] += dq
+                if grad_k is None:
+                    grad_k = torch.zeros(kb.shape, device=q.device, dtype=acc)
+                    grad_v = torch.zeros(vb.shape, device=q.device, dtype=acc)
                 grad_k[..., c, :] += dk
                 grad_v[..., c, :] += dv
+            if grad_k is None:  # the mask hides the whole block from this rank's queries
+                grad_k = torch.zeros(kb.shape, device=q.device, dtype=acc)
+                grad_v = torch.zeros(vb.shape, device=q.device, dtype=acc)
             if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
-            grads, grad_works = cp.exchange([grads[0] + grad_k, grads[1] + grad_v])
-            cp.wait(grad_works)
+            if step > 0:  # what the ranks before added to this block's gradients
+                cp.wait(grad_works)
+                grad_k, grad_v = arrived[0] + grad_k, arrived[1] + grad_v
+            arrived, grad_works = cp.exchange([grad_k, grad_v])
             if step + 1 < degree:
                 cp.wait(kv_works)
                 kv = tuple(incoming)
-        grad_k, grad_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        cp.wait(grad_works)
+        grad_k, grad_v = arrived[0].to(k.dtype), arrived[1].to(v.dtype)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 

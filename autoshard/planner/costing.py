@@ -85,7 +85,10 @@ class Costing:
         schedule = self._schedule(plan)
         node = min(plan.mesh.size, hw.devices_per_node)  # ranks of one node
         shared = schedule is not None and hw.shared_cores > 0  # ranks compute faster while others wait
-        stages = self._stages(plan, micro, 1.0 if shared else hw.sharing(node))
+        # A cp rank computes 1/cp of each row's tokens, and of its attention (balanced chunks): every per-token
+        # cost and the attention's, as 1/cp of the rows over the whole sequence.
+        tokens = micro / plan.cp
+        stages = self._stages(plan, tokens, 1.0 if shared else hw.sharing(node))
 
         def run(stages: list[Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
             if shared:
@@ -94,9 +97,11 @@ class Costing:
 
         if schedule is None:
             stage = stages[0]
-            compute = plan.microbatches * (stage.forward + stage.backward - stage.tp_comm - stage.ep_comm)
+            compute = plan.microbatches * (
+                stage.forward + stage.backward - stage.tp_comm - stage.ep_comm - stage.cp_comm
+            )
             tp_comm, pp_comm, bubble, window = plan.microbatches * stage.tp_comm, 0.0, 0.0, stage.backward
-            ep_comm = plan.microbatches * stage.ep_comm
+            ep_comm, cp_comm = plan.microbatches * stage.ep_comm, plan.microbatches * stage.cp_comm
             in_flight = [1]
             timeline: tuple = ()
         else:
@@ -106,13 +111,14 @@ class Costing:
             no_send = makespan
             if with_timeline:
                 no_send = run([dataclasses.replace(s, send=0.0) for s in stages])[0]
-            per_rank_tp, per_rank_ep = [0.0] * plan.pp, [0.0] * plan.pp
+            per_rank_tp, per_rank_ep, per_rank_cp = [0.0] * plan.pp, [0.0] * plan.pp, [0.0] * plan.pp
             for index, s in enumerate(stages):
                 per_rank_tp[schedule.rank_of(index)] += plan.microbatches * s.tp_comm
                 per_rank_ep[schedule.rank_of(index)] += plan.microbatches * s.ep_comm
+                per_rank_cp[schedule.rank_of(index)] += plan.microbatches * s.cp_comm
             slowest = max(range(plan.pp), key=busy.__getitem__)
-            tp_comm, ep_comm = per_rank_tp[slowest], per_rank_ep[slowest]
-            compute = busy[slowest] - tp_comm - ep_comm
+            tp_comm, ep_comm, cp_comm = per_rank_tp[slowest], per_rank_ep[slowest], per_rank_cp[slowest]
+            compute = busy[slowest] - tp_comm - ep_comm - cp_comm
             pp_comm = max(0.0, makespan - no_send)
             bubble = max(0.0, makespan - busy[slowest] - pp_comm)
             window = max(s.backward for s in stages)
@@ -123,12 +129,13 @@ class Costing:
             tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
         dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
         time = StepTime(
-            compute=compute, recompute=recompute, tp_comm=tp_comm, ep_comm=ep_comm, pp_comm=pp_comm, bubble=bubble,
+            compute=compute, recompute=recompute, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm, pp_comm=pp_comm,
+            bubble=bubble,
             dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
         )  # fmt: skip
         memory, per_row = self._memory(plan, stages, in_flight, micro)
         step = time.total
-        executed = self.model_flops + self._recompute_flops(plan, micro)
+        executed = self.model_flops + self._recompute_flops(plan, tokens)
         per_device = executed / plan.mesh.size / step
         mfu = self.model_flops / plan.mesh.size / step / hw.peak(self._dtype(plan))
         fits = memory.total <= hw.memory_bytes
@@ -183,7 +190,7 @@ class Costing:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
         # Everything _costed_stages reads of the plan.
         key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
-               plan.dp, plan.ep, self._dtype(plan), micro, slowdown)  # fmt: skip
+               plan.dp, plan.ep, plan.cp, self._dtype(plan), micro, slowdown)  # fmt: skip
         stages = self._stage_memo.get(key)
         if stages is None:
             stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
@@ -195,7 +202,7 @@ class Costing:
         cut_names = self._parts_per_stage(plan, micro)
         block_iter = iter(self.profile.block_names)
         for names in cut_names:
-            f = b = r = tp = ep = 0.0
+            f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
             kept = transient = boundary = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
@@ -224,6 +231,9 @@ class Costing:
                     expert_elements += count * kept_share[1]
                     exchanges = count * self._all_to_alls(part, plan, sizes)
                     f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
+                if plan.cp > 1 and part.attention_kv_bytes != 0:
+                    forward, backward = self._ring(part, plan, sizes, times)
+                    f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                 k, tr, _ = part.at(choice, sizes, plan.autocast)
                 kept += count * k
                 transient = max(transient, tr)
@@ -241,8 +251,22 @@ class Costing:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
-                             expert_params, expert_elements, ep))  # fmt: skip
+                             expert_params, expert_elements, ep, ring))  # fmt: skip
         return out
+
+    def _ring(self, part: PartAtDegree, plan: Plan, sizes: dict[str, Any], times: Any) -> tuple[float, float]:
+        """Seconds of a part's ring attention that its compute does not hide, forward and backward, one
+        microbatch (graph_ops/context.py): K/V blocks go round cp - 1 times each way while the blocks in hand
+        are computed; the gradients of each block follow it, cp sends waited at once."""
+        hw, span = self.hardware, plan.cp * plan.tp  # ring neighbours sit tp ranks apart
+        kv = value(part.attention_kv_bytes, sizes)  # this rank's blocks (its share of the tokens)
+        itemsize = _itemsize(self._dtype(plan))
+        send = hw.collective_seconds("send_recv", kv, 2, span)
+        grads = hw.collective_seconds("send_recv", kv * max(4, itemsize) / itemsize, 2, span)  # fp32 at least
+        laps = plan.cp - 1
+        forward = max(0.0, laps * send - hw.overlap * times.forward)
+        backward = max(0.0, laps * send - hw.overlap * times.backward) + plan.cp * grads
+        return forward, backward
 
     def _all_to_alls(self, part: PartAtDegree, plan: Plan, sizes: dict[str, int]) -> float:
         """Seconds of one microbatch's all-to-alls in a part's MoE layers, forward and backward: per layer the
@@ -264,7 +288,8 @@ class Costing:
         elements = max(sum(s.elements for s in group) for group in per_rank)
         itemsize = params / max(1, elements)
         grad_bytes = elements * (_itemsize(plan.reduce_dtype) if plan.reduce_dtype else itemsize)
-        span = plan.dp * plan.tp
+        replicas = plan.dp * plan.cp  # the ranks holding the same parameters
+        span = replicas * plan.tp
         # One collective per flat group, each paying its latency: ZeRO-3's groups are layers, the others' buckets.
         groups = max(sum(s.groups for s in group) for group in per_rank)
         calls = max(1, groups if plan.zero == 3 else math.ceil(grad_bytes / plan.bucket_bytes))
@@ -274,14 +299,14 @@ class Costing:
 
         def collectives(op: str, nbytes: float) -> float:
             seconds = 0.0
-            for n, share in ((plan.dp, 1 - experts), (plan.dp // plan.ep, experts)):
+            for n, share in ((replicas, 1 - experts), (plan.dp // plan.ep, experts)):
                 if share > 0 and n > 1:
                     arrival = hw.sync(n) if op in hw.blocking else 0.0  # a synchronous call waits for the last rank
                     seconds += calls * share * (hw.collective_seconds(op, nbytes / calls, n, span) + arrival)
             return seconds
 
         dp_comm = zero3 = 0.0
-        if plan.dp > 1:
+        if replicas > 1:
             if plan.zero == 0:
                 reduce = collectives("all_reduce", grad_bytes)
                 dp_comm = _exposed(hw, "all_reduce", reduce, window, grad_bytes, plan.bucket_bytes)
@@ -293,9 +318,9 @@ class Costing:
             if plan.zero == 3:
                 largest = max(s.largest for s in stages)
                 gathers = 2 * plan.microbatches * collectives("all_gather", params)
-                first = hw.collective_seconds("all_gather", largest, plan.dp, span)
+                first = hw.collective_seconds("all_gather", largest, replicas, span)
                 zero3 = _exposed(hw, "all_gather", gathers, compute, gathers, 0) + first
-        shard = plan.dp if plan.zero >= 1 else 1
+        shard = replicas if plan.zero >= 1 else 1
         master = elements * 4
         touched = ADAM_PASSES * master / shard
         optimizer = offload = 0.0
@@ -318,8 +343,9 @@ class Costing:
             elements = sum(s.elements for s in group)
             weights, grads = params, params
             # ZeRO shards dense parameters over dp, this rank's experts over the dp / ep ranks holding them.
-            sharded = (elements + (plan.ep - 1) * sum(s.expert_elements for s in group)) / plan.dp
-            sharded_bytes = (params + (plan.ep - 1) * sum(s.expert_params for s in group)) / plan.dp
+            replicas = plan.dp * plan.cp
+            sharded = (elements + (plan.ep - 1) * sum(s.expert_elements for s in group)) / replicas
+            sharded_bytes = (params + (plan.ep - 1) * sum(s.expert_params for s in group)) / replicas
             masters = elements * 4 if is_mixed_precision(plan.param_dtype) else 0
             optimizer = ADAM_STATES * elements * 4
             largest = max(s.largest for s in group)
@@ -342,7 +368,7 @@ class Costing:
             kept = flight * sum(s.kept for s in group) / len(group)
             activations = kept + max(s.transient for s in group)
             buffers = 0  # gradients are views of their buckets; a reduce_dtype copies one bucket at a time
-            if plan.dp > 1 and plan.reduce_dtype is not None:
+            if replicas > 1 and plan.reduce_dtype is not None:
                 buffers = min(int(plan.bucket_bytes), elements * _itemsize(plan.reduce_dtype))
             # Memory's fields in order; the Memory itself built for the most loaded rank only (the search's hot path)
             memory = tuple(int(x) for x in (weights, grads, optimizer, masters, activations, gathered, buffers))
@@ -356,7 +382,7 @@ class Costing:
         """FLOPs recomputation repeats in one step, over every rank."""
         if plan.recompute == "none":
             return 0.0
-        key = (plan.tp, plan.sequence_parallel, plan.recompute, micro)
+        key = (plan.tp, plan.sequence_parallel, plan.recompute, micro, plan.cp)
         flops = self._recompute_memo.get(key)
         if flops is None:
             sizes = {**self.sizes, "B": micro}
@@ -366,7 +392,7 @@ class Costing:
                 if choice != "none":
                     flops += self._part(kind, plan).recompute_flops(choice, sizes)
             self._recompute_memo[key] = flops
-        return flops * plan.tp * plan.dp * plan.microbatches
+        return flops * plan.tp * plan.dp * plan.cp * plan.microbatches
 
 
 def _choice(recompute: Any, layer: str) -> Any:

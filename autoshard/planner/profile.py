@@ -71,6 +71,8 @@ class PartAtDegree:
     expert_param_bytes: int = 0
     expert_elements: int = 0
     dispatch_bytes: sympy.Expr = sympy.Integer(0)
+    # What context parallelism's ring moves: the bytes of K and V of each attention, over the whole sequence.
+    attention_kv_bytes: sympy.Expr = sympy.Integer(0)
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
@@ -156,7 +158,20 @@ def _profile_part(
                         tied, partial_bytes, sizes=sizes)  # fmt: skip
     if degree == 1:  # ep works with tp=1
         _experts(part, g, owned)
+    part.attention_kv_bytes = _attention_kv(g)
     return part
+
+
+def _attention_kv(g: fx.GraphModule) -> sympy.Expr:
+    """K and V bytes of the part's attentions (scaled_dot_product_attention's second and third inputs)."""
+    kv = [
+        get_shape(a).tensor.nbytes
+        for n in g.graph.nodes
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target)
+        for a in n.args[1:3]
+        if isinstance(a, fx.Node)
+    ]
+    return sympy.Add(*kv)
 
 
 def _experts(part: PartAtDegree, g: fx.GraphModule, owned: frozenset[str]) -> None:

@@ -58,6 +58,7 @@ class StepTime:
     recompute: float = 0.0  # of which: forward work repeated in backward
     tp_comm: float = 0.0  # tensor-parallel collectives (on the critical path: they sit between kernels)
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (on the critical path: the experts wait for their rows)
+    cp_comm: float = 0.0  # context parallelism's ring not hidden behind the attention it feeds
     pp_comm: float = 0.0  # pipeline sends and receives on the critical path
     bubble: float = 0.0  # pipeline idle time
     dp_comm: float = 0.0  # gradient reduction (and ZeRO's parameter all-gather) not hidden behind backward
@@ -71,7 +72,7 @@ class StepTime:
 
     @property
     def exposed_communication(self) -> float:
-        return self.tp_comm + self.ep_comm + self.pp_comm + self.dp_comm + self.zero3 + self.offload
+        return self.tp_comm + self.ep_comm + self.cp_comm + self.pp_comm + self.dp_comm + self.zero3 + self.offload
 
     def __str__(self) -> str:
         parts = ", ".join(
@@ -176,10 +177,10 @@ class PlanReport(Sequence):
         """The ``top`` candidates, then the best of up to ``shapes`` other mesh shapes (why they lost)."""
         lines = [f"{'plan':<64} {'memory':>10} {'step':>12} {'TFLOP/s':>7} {'MFU':>6}  {'bottleneck':<21} note"]
         lines += [c.row(chosen=i == 0) for i, c in enumerate(self.candidates[:top])]
-        shown = {(c.plan.dp, c.plan.tp, c.plan.pp) for c in self.candidates[:top]}
+        shown = {(c.plan.dp, c.plan.tp, c.plan.pp, c.plan.cp) for c in self.candidates[:top]}
         others = []
         for c in self.candidates[top:]:
-            shape = (c.plan.dp, c.plan.tp, c.plan.pp)
+            shape = (c.plan.dp, c.plan.tp, c.plan.pp, c.plan.cp)
             if shape not in shown and len(others) < shapes:
                 shown.add(shape)
                 others.append(c.row())

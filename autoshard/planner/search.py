@@ -49,38 +49,45 @@ def factorizations(world: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _context_degree(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> int:
-    """cp as the mesh or the plan fixes it (the search does not choose it yet): it divides the world."""
-    cp = world_or_mesh.cp if isinstance(world_or_mesh, Mesh) else overrides.get("cp", 1)
-    if isinstance(world_or_mesh, Mesh) and "cp" in overrides and overrides["cp"] != cp:
-        raise PlanError(
-            f"plan asks for cp={overrides['cp']} but the mesh has cp={cp}; drop cp from the plan or change the mesh"
-        )
-    if not isinstance(world_or_mesh, Mesh) and world_or_mesh % cp:
-        raise PlanError(f"cp={cp} does not divide the world size {world_or_mesh}; choose a cp that divides it")
-    return cp
+# A cp rank keeps at least this many tokens of each sequence: below, the ring's sends outweigh what splitting
+# the sequence saves, and the search does not try it (a user may still fix cp).
+CP_MIN_TOKENS = 1024
 
 
-def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any]) -> list[tuple[int, int, int]]:
-    cp = _context_degree(world_or_mesh, overrides)
+def context_degrees(world: int, seq: int | None, heads: int) -> list[int]:
+    """The cp degrees the search tries: 1, and for a model with attention each divisor of the world that splits
+    the sequence into 2 x cp chunks of at least CP_MIN_TOKENS / 2 tokens."""
+    if not seq or not heads:
+        return [1]
+    return [1] + [c for c in range(2, world + 1) if world % c == 0 and seq % (2 * c) == 0 and seq // c >= CP_MIN_TOKENS]
+
+
+def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any], cps: list[int]) -> list[tuple[int, int, int, int]]:
+    """(dp, tp, pp, cp) shapes: the mesh's, or every factorization of the world that the fixed fields allow
+    (cp > 1 with dp alone, as the runtime composes it)."""
     if isinstance(world_or_mesh, Mesh):
         mesh = world_or_mesh
-        for dim in ("dp", "tp", "pp"):
+        for dim in ("dp", "tp", "pp", "cp"):
             if dim in overrides and overrides[dim] != mesh.degree(dim):
                 raise PlanError(
                     f"plan asks for {dim}={overrides[dim]} but the mesh has {dim}={mesh.degree(dim)}; "
                     f"drop {dim} from the plan or change the mesh"
                 )
-        return [(mesh.dp, mesh.tp, mesh.pp)]
+        return [(mesh.dp, mesh.tp, mesh.pp, mesh.cp)]
+    if "cp" in overrides:
+        cps = [overrides["cp"]]
+        if world_or_mesh % cps[0]:
+            raise PlanError(f"cp={cps[0]} does not divide the world size {world_or_mesh}; choose a cp that divides it")
     shapes = [
-        s
+        (*s, cp)
+        for cp in cps
         for s in factorizations(world_or_mesh // cp)
-        if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s))
+        if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s)) and (cp == 1 or s[1:] == (1, 1))
     ]
     if not shapes:
         raise PlanError(
             f"no dp x tp x pp factorization of world size {world_or_mesh} matches the plan's fixed degrees "
-            f"{ {k: overrides[k] for k in ('dp', 'tp', 'pp') if k in overrides} }"
+            f"{ {k: overrides[k] for k in ('dp', 'tp', 'pp', 'cp') if k in overrides} }"
         )
     return shapes
 
@@ -91,14 +98,14 @@ def _options(name: str, overrides: dict[str, Any], default: Iterable[Any]) -> li
 
 def _simplicity(plan: Plan) -> tuple:
     """Fewer parallel dimensions, then lower ZeRO stage, no offload, no recomputation, 1F1B: simpler."""
-    dims = (plan.tp > 1) + (plan.pp > 1)
+    dims = (plan.tp > 1) + (plan.pp > 1) + (plan.cp > 1)
     interleaved = plan.virtual_stages > 1
     return (dims, plan.zero, plan.offload, plan.recompute != "none", plan.schedule != "1f1b", interleaved,
             plan.microbatches, plan.sequence_parallel)  # fmt: skip
 
 
 def enumerate_plans(
-    shapes: list[tuple[int, int, int]],
+    shapes: list[tuple[int, int, int, int]],
     overrides: dict[str, Any],
     costing: Costing,
     rows: int,
@@ -110,8 +117,7 @@ def enumerate_plans(
     refused = {} if refused is None else refused
     mixed = is_mixed_precision(overrides.get("param_dtype"))
     needs_zero = overrides.get("offload") or mixed
-    cp = overrides.get("cp", 1)
-    for dp, tp, pp in shapes:
+    for dp, tp, pp, cp in shapes:
         if not fixed_mesh and not costing.allows(tp=tp, pp=pp):
             refused[costing.refusal(tp=tp, pp=pp) or ""] = None
             continue
@@ -122,7 +128,7 @@ def enumerate_plans(
         if dp % overrides.get("ep", 1):
             refused[f"ep={overrides['ep']} does not divide dp={dp} (ep groups are carved out of dp)"] = None
             continue
-        experts = costing.profile.experts if tp == 1 else 0  # ep splits the experts of a model without tp
+        experts = costing.profile.experts if tp == cp == 1 else 0  # ep splits the experts of a model without tp
         eps = _options("ep", overrides, [e for e in _divisors(dp) if experts and experts % e == 0] or [1])
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero, ep in ((z, e) for z in zeros for e in eps):
@@ -229,14 +235,13 @@ def choose_plan(
 ) -> PlanReport:
     """Cost every plan; return the best of each mesh shape and ZeRO stage, best first, and why the winner won."""
     Plan.check_overrides(overrides)
-    shapes = _shapes(world_or_mesh, overrides)
     fixed_mesh = isinstance(world_or_mesh, Mesh)
-    if fixed_mesh and world_or_mesh.cp > 1:
-        overrides = {**overrides, "cp": world_or_mesh.cp}
+    world = world_or_mesh.size if fixed_mesh else world_or_mesh
+    shapes = _shapes(world_or_mesh, overrides, context_degrees(world, sizes.get("S"), costing.heads))
     rows = sizes.get("B", 1)
     if fixed_mesh:
         _validate(world_or_mesh, overrides, rows)
-    best: dict[tuple[int, int, int, int], Candidate] = {}
+    best: dict[tuple[int, ...], Candidate] = {}
     everything: list[Candidate] = []
     searched = 0
     refused: dict[str, None] = {}
@@ -250,7 +255,7 @@ def choose_plan(
         candidate = costing.candidate(plan, with_timeline=False)
         if fixed_mesh:
             everything.append(candidate)
-        key = (plan.dp, plan.tp, plan.pp, plan.zero)
+        key = (plan.dp, plan.tp, plan.pp, plan.cp, plan.zero)
         if key not in best or _rank(candidate) < _rank(best[key]):
             best[key] = candidate
     if not best:

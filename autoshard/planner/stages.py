@@ -28,6 +28,7 @@ class Stage:
     expert_params: int = 0  # of params: this rank's experts (E / ep of each MoE layer's), data parallel over dp / ep
     expert_elements: int = 0
     ep_comm: float = 0.0  # of forward + backward: expert parallelism's all-to-alls, one microbatch
+    cp_comm: float = 0.0  # of forward + backward: context parallelism's ring, what compute does not hide
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
