@@ -63,3 +63,38 @@ def _one_case(cp: context.ContextParallel, case: dict[str, Any]) -> dict[str, fl
     diffs["ring_bytes"] = float(cp.comm.volume_bytes["cp_ring"])
     cp.comm.reset()
     return diffs
+
+
+def tiny_gpt_cp(rank: int, world_size: int, seq: int, steps: int = 3) -> dict[str, Any]:
+    """The demo's TinyGPT (causal SDPA by is_causal, targets given apart, logits flattened for the loss) trained
+    at cp=world_size on one sequence batch; and on one device, here, for comparison."""
+    import autoshard
+    from autoshard.models import TinyGPT, next_token_loss
+
+    def model() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT(vocab=64, dim=32, heads=4, layers=2, max_seq=seq)
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, seq + 1), generator=gen) for _ in range(steps)]
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+    ids, target = batches[0][:, :-1], batches[0][:, 1:]
+    program = autoshard.compile(
+        model(), autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, optimizer=adamw,
+        example_target=target, plan={},
+    )  # fmt: skip
+    losses = [program.step(b[:, :-1], target=b[:, 1:]) for b in batches]
+    reference, optimizer, expected = model(), None, []
+    optimizer = adamw(reference.parameters())
+    for b in batches:
+        optimizer.zero_grad()
+        loss = next_token_loss(reference(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    state = program.full_state_dict()
+    worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if state else 0.0
+    return {"losses": losses, "expected": expected, "worst": worst}

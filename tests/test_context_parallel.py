@@ -8,7 +8,7 @@ import pytest
 import torch
 from cases import build_case, compile_case, train_plan, train_single_device
 from compiled_cases import train_compiled
-from context_cases import ring_against_sdpa
+from context_cases import ring_against_sdpa, tiny_gpt_cp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tp import assert_state_close
@@ -91,6 +91,14 @@ def test_cp_trains_as_one_device(ranks, family, mesh, plan, seq) -> None:
     consolidated parameters equal single-device training, over cp alone and with dp, ZeRO, recomputation,
     accumulation and clipping (the grid below runs each family at 256 tokens, and 1024, under -m slow)."""
     run_cp(ranks, family, mesh, plan, seq)
+
+
+def test_a_causal_sdpa_model_with_targets_apart(ranks) -> None:
+    """TinyGPT: attention by is_causal (the ring's head-tail halves), targets a separate input cut where the loss
+    reads them, logits flattened over batch and tokens."""
+    for result in ranks(2).run(tiny_gpt_cp, 64):
+        assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["worst"] < 3e-6
 
 
 CP_GRID = [

@@ -155,3 +155,35 @@ def test_expert_parallelism_crosses_nodes_only_over_fast_links() -> None:
     slow = plan(model, 64, 256, 4096, H100.with_(inter_bandwidth=H100.inter_bandwidth / 20)).winner
     assert fast.ep * fast.tp > H100.devices_per_node, fast
     assert 1 < slow.ep and slow.ep * slow.tp <= H100.devices_per_node, slow
+
+
+@pytest.mark.slow  # 16 s: capture and search at 128k tokens
+def test_long_sequences_split_over_context_parallel_ranks() -> None:
+    """A Llama-3-8B-shaped model (GQA, 32 blocks) at sequences of 128k tokens on 64 H100s: a rank cannot keep a
+    whole sequence's activations, and splitting it over cp ranks (a ring per attention) beats splitting the
+    weights; the planner picks cp >= 4."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    report = plan(model, 64, 8, 131072, H100, plan={"param_dtype": torch.bfloat16})
+    assert report.winner.cp >= 4, report.table()
+    assert report.chosen.time.cp_comm > 0 and report.chosen.fits
+
+
+def test_a_long_sequence_is_planned_over_cp_and_a_short_one_is_not() -> None:
+    """The search tries cp where each rank keeps at least 2 x 512 tokens of a sequence: at 32k tokens, four
+    sequences on 16 ranks split each over cp (activations and attention both 1/cp a rank, the ring's sends
+    counted); at 512 tokens no cp is tried."""
+    model = llama(2, 2048, 16, 5632)
+    report = plan(model, 16, 4, 32768, H100)
+    assert any(c.plan.cp > 1 for c in report.candidates)
+    best_cp = min((c for c in report.candidates if c.plan.cp > 1), key=lambda c: c.step_time)
+    assert best_cp.time.cp_comm > 0
+    short = plan(model, 16, 16, 512, H100)
+    assert all(c.plan.cp == 1 for c in short.candidates)

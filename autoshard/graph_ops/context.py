@@ -27,6 +27,7 @@ as a value every rank computes alike does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,6 +90,17 @@ class UnboundContextParallel(nn.Module):
         return self._unbound()
 
 
+_ops = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An exchange in flight: the received buffer (not yet waited) and the shapes it holds."""
+
+    flat: torch.Tensor
+    like: tuple[tuple[torch.Size, torch.dtype], ...]
+
+
 class ContextParallel(UnboundContextParallel):
     """A rank's place in its cp group: its index, the ring's neighbours, the group (and its name)."""
 
@@ -113,19 +125,28 @@ class ContextParallel(UnboundContextParallel):
             self._positions[key] = chunk_positions(seq_len, rank, self.degree, device)
         return self._positions[key]
 
-    def exchange(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dist.Work]]:
-        """Send ``tensors`` to the next rank of the ring and receive the previous rank's (started, not waited)."""
-        tensors = [t.contiguous() for t in tensors]
-        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
-        self.comm.count("cp_ring", sum(t.numel() * t.element_size() for t in tensors))
-        return received, dist.batch_isend_irecv(ops)
+    def exchange(self, tensors: list[torch.Tensor]) -> Pending:
+        """Send ``tensors`` to the next rank of the ring and receive the previous rank's, started and not waited
+        (``wait``): one message of them all (each collective has its own cost), an all-to-all in which each rank
+        sends only to the next (a functional collective, so it runs while this rank computes)."""
+        flat = torch.cat([t.reshape(-1).to(tensors[0].dtype) for t in tensors])
+        sends = [0] * self.degree
+        receives = [0] * self.degree
+        sends[(self.rank + 1) % self.degree] = receives[(self.rank - 1) % self.degree] = flat.numel()
+        self.comm.count("cp_ring", flat.numel() * flat.element_size())
+        started = _ops.all_to_all_single(flat, receives, sends, self.group_name)
+        return Pending(started, tuple((t.shape, t.dtype) for t in tensors))
 
-    def wait(self, works: list[dist.Work]) -> None:
+    def wait(self, pending: Pending) -> list[torch.Tensor]:
+        """The tensors an exchange received, once they are here."""
         with self.comm.timing("cp_ring"):
-            for work in works:
-                work.wait()
+            flat = _ops.wait_tensor(pending.flat)
+        out, at = [], 0
+        for shape, dtype in pending.like:
+            n = math.prod(shape)
+            out.append(flat[at : at + n].view(shape).to(dtype))
+            at += n
+        return out
 
 
 def positions(cp: UnboundContextParallel, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -305,10 +326,17 @@ def _rows(bias, r, c):  # noqa: ANN001, ANN202
     return bias[..., r if bias.shape[-2] != 1 else slice(None), c if bias.shape[-1] != 1 else slice(None)]
 
 
-def _merge(out, lse, part_out, part_lse, rows):  # noqa: ANN001, ANN202
-    """Online softmax: the running (output, log-sum-exp) of ``rows`` merged with one block's."""
+def _merge(out, lse, part_out, part_lse, rows, hidden_rows):  # noqa: ANN001, ANN202
+    """Online softmax: the running (output, log-sum-exp) of ``rows`` merged with one block's. ``hidden_rows``:
+    whether a row may have seen no key yet, or see none in this block (a mask), which -inf marks."""
     old_out, old_lse = out[..., rows, :], lse[..., rows]
     new_lse = torch.logaddexp(old_lse, part_lse)
+    if not hidden_rows:
+        out[..., rows, :] = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + part_out.to(out.dtype) * torch.exp(
+            part_lse - new_lse
+        ).unsqueeze(-1)
+        lse[..., rows] = new_lse
+        return
     base = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
     keep = torch.where(torch.isfinite(old_lse), torch.exp(old_lse - base), 0.0)
     take = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - base), 0.0)
@@ -328,7 +356,7 @@ class _RingAttention(torch.autograd.Function):
         block = (k, v)
         for step in range(degree):
             if step + 1 < degree:  # the next block travels while this one is computed
-                incoming, works = cp.exchange(list(block))
+                pending = cp.exchange(list(block))
             src = (cp.rank - step) % degree
             columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
             kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
@@ -336,10 +364,12 @@ class _RingAttention(torch.autograd.Function):
                 part_out, part_lse = _block_forward(
                     q[..., r, :], kb[..., c, :], vb[..., c, :], _rows(columns, r, c), local_causal, scale
                 )
-                _merge(out, lse, part_out, part_lse.to(acc), r)
+                if step == 0 and r == slice(None):  # the rank's own block comes first: nothing to merge yet
+                    out, lse = part_out.to(acc), part_lse.to(acc)
+                else:  # with is_causal alone every row saw its own key in the first block
+                    _merge(out, lse, part_out, part_lse.to(acc), r, hidden_rows=bias is not None)
             if step + 1 < degree:
-                cp.wait(works)
-                block = tuple(incoming)
+                block = tuple(cp.wait(pending))
         ctx.cp, ctx.causal, ctx.scale, ctx.seq_len = cp, causal, scale, seq_len
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, result, lse)
@@ -361,7 +391,7 @@ class _RingAttention(torch.autograd.Function):
         kv: tuple[torch.Tensor, ...] = (k, v)
         for step in range(degree):
             if step + 1 < degree:
-                incoming, kv_works = cp.exchange(list(kv))
+                pending_kv = cp.exchange(list(kv))
             src = (cp.rank - step) % degree
             columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
             kb, vb = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
@@ -373,6 +403,9 @@ class _RingAttention(torch.autograd.Function):
                     lse[..., r], _rows(columns, r, c), local_causal, scale,
                 )  # fmt: skip
                 grad_q[..., r, :] += dq
+                if grad_k is None and c == slice(None):
+                    grad_k, grad_v = dk.to(acc), dv.to(acc)
+                    continue
                 if grad_k is None:
                     grad_k = torch.zeros(kb.shape, device=q.device, dtype=acc)
                     grad_v = torch.zeros(vb.shape, device=q.device, dtype=acc)
@@ -385,13 +418,12 @@ class _RingAttention(torch.autograd.Function):
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
             if step > 0:  # what the ranks before added to this block's gradients
-                cp.wait(grad_works)
+                arrived = cp.wait(pending_grads)
                 grad_k, grad_v = arrived[0] + grad_k, arrived[1] + grad_v
-            arrived, grad_works = cp.exchange([grad_k, grad_v])
+            pending_grads = cp.exchange([grad_k, grad_v])
             if step + 1 < degree:
-                cp.wait(kv_works)
-                kv = tuple(incoming)
-        cp.wait(grad_works)
+                kv = tuple(cp.wait(pending_kv))
+        arrived = cp.wait(pending_grads)
         grad_k, grad_v = arrived[0].to(k.dtype), arrived[1].to(v.dtype)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
