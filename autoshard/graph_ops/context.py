@@ -389,6 +389,7 @@ class _RingAttention(torch.autograd.Function):
         # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it round
         # the ring, home after a lap, each lap's send overlapped with the next block's work.
         kv: tuple[torch.Tensor, ...] = (k, v)
+        pending_grads: Pending | None = None
         for step in range(degree):
             if step + 1 < degree:
                 pending_kv = cp.exchange(list(kv))
@@ -417,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
             if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
-            if step > 0:  # what the ranks before added to this block's gradients
+            if pending_grads is not None:  # what the ranks before added to this block's gradients
                 arrived = cp.wait(pending_grads)
                 grad_k, grad_v = arrived[0] + grad_k, arrived[1] + grad_v
             pending_grads = cp.exchange([grad_k, grad_v])
