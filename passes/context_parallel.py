@@ -61,7 +61,8 @@ _SUMS = {aten.sum.dim_IntList: False, aten.mean.dim: True, aten.sum.default: Fal
 _SDPA = aten.scaled_dot_product_attention.default
 _CROSS_ENTROPY = aten.cross_entropy_loss.default
 _INSERTED = (
-    cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.ring_attention, cp_ops.cross_entropy, cp_ops.replica_mean,
+    cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.ring_attention, cp_ops.all_to_all_attention, cp_ops.cross_entropy,
+    cp_ops.replica_mean,
 )  # fmt: skip
 
 
@@ -71,6 +72,7 @@ class CpReport:
     this rank's tokens, the partial values it all-reduced, how the loss leaves."""
 
     degree: int
+    mode: str = "ring"
     inputs: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)
     sliced: list[str] = field(default_factory=list)
@@ -80,7 +82,7 @@ class CpReport:
     def __str__(self) -> str:
         return (
             f"cp={self.degree}: inputs {', '.join(self.inputs)} cut to each rank's tokens; "
-            f"{len(self.attention)} attention(s) as ring attention; {len(self.sliced)} whole value(s) cut where "
+            f"{len(self.attention)} attention(s) as {self.mode} attention; {len(self.sliced)} whole value(s) cut where "
             f"they meet the tokens; {len(self.all_reduced)} sum(s) over tokens all-reduced; loss {self.loss}"
         )
 
@@ -127,8 +129,8 @@ def _seed(node: fx.Node) -> int | None:
 class _Propagation:
     """Every value's placement along cp, forward through the graph, and what each op wants of its inputs."""
 
-    def __init__(self, gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> None:
-        self.gm, self.degree, self.sizes = gm, degree, sizes
+    def __init__(self, gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: str) -> None:
+        self.gm, self.degree, self.sizes, self.attention = gm, degree, sizes, attention
         self.out: dict[fx.Node, object] = {}
         self.merged: set[fx.Node] = set()
         self.wants: list[tuple[fx.Node, fx.Node, Placement]] = []  # consumer, source, wanted placement
@@ -245,10 +247,12 @@ class _Propagation:
                 self._refuse(ctx.node, t, self.p(t))
         want: dict[fx.Node, Placement] = {t: token for t in (q, k, v) if self.p(t) != token}
         if isinstance(mask, fx.Node):
+            # the ring reads this rank's query rows of a mask; all-to-all attends every query, whole
             rows = Shard(ctx.ndim(mask) - 2) if sequence_dim(ctx.sizes(mask)[-2:-1]) == 0 else R
+            rows = rows if self.attention == "ring" else R
             if self.p(mask) != rows:
                 want[mask] = rows
-        return Decision(token, want, "ring attention")
+        return Decision(token, want, f"{self.attention.replace('_', '-')} attention")
 
     def _cross_entropy(self, ctx: RuleInput) -> Decision:
         logits, target = ctx.node.args[:2]
@@ -345,6 +349,9 @@ class _Rewriter:
         for node in self.graph.nodes:
             if node.op == "output" or CP in node.meta:
                 continue
+            if node in self.prop.seeds:  # handed every token; its local_tokens node holds this rank's
+                node.meta[CP] = CpPlacement(R, note="every token, cut to this rank's where it enters")
+                continue
             placement = self.prop.out.get(node, R)
             node.meta[CP] = CpPlacement(placement, node in self.prop.merged, self.prop.notes.get(node, ""))
             if isinstance(placement, Shard) and _is_tensor(node):
@@ -396,7 +403,7 @@ class _Rewriter:
         consumer.replace_input_with(source, made)
 
     def _ring(self, node: fx.Node) -> None:
-        node.target = cp_ops.ring_attention
+        node.target = cp_ops.ring_attention if self.prop.attention == "ring" else cp_ops.all_to_all_attention
         node.args = (self.cp, *node.args)
         node.kwargs = {**node.kwargs, "seq_len": self.seq_len}
         self.report.attention.append(node.name)
@@ -452,9 +459,9 @@ class _Rewriter:
             self.report.loss = "computed whole on every rank"
 
 
-def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> None:
+def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: str) -> None:
     """What cp cannot run, said before any rank works: a sequence that does not split into 2 x cp chunks,
-    attention with dropout (the ring computes attention in blocks)."""
+    attention with dropout (the ring computes attention in blocks), heads that all-to-all cannot split."""
     seq = sizes.get("S")
     if seq is None:
         raise PlanError(
@@ -470,20 +477,28 @@ def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _SDPA:
             dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            if dropout:
+            heads = [get_shape(t).tensor.sizes[-3] for t in node.args[1:3]] + [get_shape(node.args[0]).tensor.sizes[-3]]
+            if attention == "all_to_all" and any(not h.is_Integer or int(h) % degree for h in heads):
+                raise PlanError(
+                    f"cp_attention='all_to_all' gives each of the cp={degree} ranks heads / cp of the heads, but "
+                    f"{node.name} in {node.meta.get(LAYER, '(top)')} has {heads[2]} heads and {heads[0]} K/V heads; "
+                    f"use cp_attention='ring', or a cp that divides both"
+                )
+            if dropout and attention == "ring":
                 raise PlanError(
                     f"context parallelism: {node.name} in {node.meta.get(LAYER, '(top)')} is attention with dropout "
                     f"(p={dropout}), which ring attention, computing it in blocks, does not draw as one device "
                     f"does; set the model's attention dropout to 0 (attn_pdrop, attention_dropout, "
-                    f"attention_probs_dropout_prob), or use cp=1"
+                    f"attention_probs_dropout_prob), use cp_attention='all_to_all' (whole-sequence attention per "
+                    f"head), or use cp=1"
                 )
 
 
-def run(gm: fx.GraphModule, degree: int, sizes: dict[str, int]) -> PassResult:
-    _check(gm, degree, sizes)
-    prop = _Propagation(gm, degree, sizes)
+def run(gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: str = "ring") -> PassResult:
+    _check(gm, degree, sizes, attention)
+    prop = _Propagation(gm, degree, sizes, attention)
     prop.run()
-    report = CpReport(degree)
+    report = CpReport(degree, attention.replace("_", "-"))
     _Rewriter(gm, prop, report).run()
     gm.graph.lint()
     gm.recompile()

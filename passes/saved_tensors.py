@@ -200,6 +200,12 @@ def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tupl
         lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4
         kept = [(q, 0), (k, 0), (v, 0), *([(mask, 0)] if isinstance(mask, fx.Node) else []), (node, 0)]
         return [*kept, (("own", node, 0), lse)]
+    if target is cp_ops.all_to_all_attention:  # SDPA's saves, of its heads over every token: as many bytes
+        q, k, v = (get_shape(t).tensor for t in node.args[1:4])
+        mask = node.args[4] if len(node.args) > 4 else node.kwargs.get("attn_mask")
+        lse = sympy.Mul(*q.sizes[:-1]) * 4
+        own = [(("own", node, i), t.nbytes) for i, t in enumerate((q, k, v, q))]
+        return [*own, *([(mask, 0)] if isinstance(mask, fx.Node) else []), (("own", node, 4), lse)]
     if target is cp_ops.cross_entropy:  # as aten's, on this rank's tokens
         return _aten_saves(node, aten.cross_entropy_loss.default, node.args[1:], node.kwargs, device_type, dtypes)
     if target in (cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.replica_mean):  # an index, or nothing

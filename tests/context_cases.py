@@ -13,23 +13,24 @@ from autoshard.graph_ops import context
 
 
 def ring_against_sdpa(
-    rank: int, world_size: int, cases: list[dict[str, Any]], fused: bool = True
+    rank: int, world_size: int, cases: list[dict[str, Any]], fused: bool = True, attention: str = "ring"
 ) -> list[dict[str, float]]:
     """For each case (heads, kv_heads, seq, mask: None | "padding" | "random" | "additive" | "causal", causal):
     this rank's ring attention of its tokens, forward and backward, against SDPA on the whole sequence (every
     rank draws the same q, k, v, mask and output gradient); the largest differences. ``fused=False``: the
-    blocks as other devices than the CPU compute them (the formulas written out)."""
+    blocks as other devices than the CPU compute them (the formulas written out). ``attention="all_to_all"``:
+    the sequence traded for heads instead of the ring."""
     cp = context.ContextParallel(world_size, rank, list(range(world_size)), dist.group.WORLD, CommCounter())
     kernel = context._fused
     if not fused:
         context._fused = lambda q: False
     try:
-        return [_one_case(cp, case) for case in cases]
+        return [_one_case(cp, case, attention) for case in cases]
     finally:
         context._fused = kernel
 
 
-def _one_case(cp: context.ContextParallel, case: dict[str, Any]) -> dict[str, float]:
+def _one_case(cp: context.ContextParallel, case: dict[str, Any], attention: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(case.get("seed", 0))
     batch, heads, kv_heads, seq, dim = 2, case["heads"], case["kv_heads"], case["seq"], 8
     q = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64)
@@ -53,14 +54,16 @@ def _one_case(cp: context.ContextParallel, case: dict[str, Any]) -> dict[str, fl
     pos = cp.positions(seq, q.device)
     local = [t.index_select(2, pos).clone().requires_grad_() for t in (q, k, v)]
     rows = mask if mask is None or mask.shape[-2] == 1 else mask.index_select(2, pos)
-    got = context.ring_attention(
-        cp, *local, rows, is_causal=case["causal"], enable_gqa=bool(gqa), seq_len=seq
-    )  # fmt: skip
+    if attention == "all_to_all":  # every query attends: the mask whole
+        got = context.all_to_all_attention(cp, *local, mask, is_causal=case["causal"], seq_len=seq)
+    else:
+        got = context.ring_attention(cp, *local, rows, is_causal=case["causal"], enable_gqa=bool(gqa), seq_len=seq)
     got.backward(grad.index_select(2, pos))
     diffs = {"out": (got - expected.index_select(2, pos)).abs().max().item()}
     for name, mine, ref in zip(("dq", "dk", "dv"), local, whole):
         diffs[name] = (mine.grad - ref.grad.index_select(2, pos)).abs().max().item()
     diffs["ring_bytes"] = float(cp.comm.volume_bytes["cp_ring"])
+    diffs["all_to_all_bytes"] = float(cp.comm.volume_bytes["cp_all_to_all"])
     cp.comm.reset()
     return diffs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -32,9 +33,9 @@ def shape_of(family: str, seq: int | None = None) -> dict:
 
 def run_cp(ranks, family: str, mesh: dict, plan: dict, seq: int | None = None) -> list[dict]:
     shape = shape_of(family, seq)
-    world = mesh.get("dp", 1) * mesh.get("cp", 1)
+    world = mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1)
     results = ranks(world).run(train_plan, family, mesh, plan, **shape)
-    ref_losses, ref_state = reference(family, **shape)
+    ref_losses, ref_state = reference(family, max_grad_norm=plan.get("max_grad_norm"), **shape)
     for result in results:
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert_state_close(results[0]["state"], ref_state)  # consolidated on rank 0
@@ -83,13 +84,23 @@ def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
         ("llama", {"cp": 4}, {"zero": 3}, 64),
         ("bert", {"dp": 2, "cp": 2}, {"zero": 1, "recompute": "full"}, 64),
         ("gpt2", {"dp": 2, "cp": 2}, {"zero": 2, "microbatches": 2, "max_grad_norm": 0.5}, 64),
+        ("llama", {"cp": 2, "pp": 2}, {"microbatches": 4, "zero": 1, "schedule": "zb_h1"}, 64),
+        ("llama", {"dp": 2, "cp": 2}, {"cp_attention": "all_to_all", "zero": 3}, 64),
     ],
-    ids=["gpt2-cp2", "llama-cp4-zero3", "bert-dp2-cp2-zero1-full", "gpt2-dp2-cp2-zero2-accumulate-clip"],
+    ids=[
+        "gpt2-cp2",
+        "llama-cp4-zero3",
+        "bert-dp2-cp2-zero1-full",
+        "gpt2-dp2-cp2-zero2-accumulate-clip",
+        "llama-cp2-pp2-zb_h1-zero1",
+        "llama-dp2-cp2-all_to_all-zero3",
+    ],
 )
 def test_cp_trains_as_one_device(ranks, family, mesh, plan, seq) -> None:
     """GPT-2 (learned positions), Llama (rotary, GQA) and BERT (bidirectional) at sequences of 64-256: losses and
     consolidated parameters equal single-device training, over cp alone and with dp, ZeRO, recomputation,
-    accumulation and clipping (the grid below runs each family at 256 tokens, and 1024, under -m slow)."""
+    accumulation, clipping and a zero-bubble pipeline (the grid below runs each family at 256 tokens, and 1024,
+    under -m slow)."""
     run_cp(ranks, family, mesh, plan, seq)
 
 
@@ -101,11 +112,38 @@ def test_a_causal_sdpa_model_with_targets_apart(ranks) -> None:
         assert result["worst"] < 3e-6
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_attention_equals_sdpa(ranks, world) -> None:
+    """The sequence traded for heads (DeepSpeed Ulysses), forward and backward, against SDPA over the whole
+    sequence in float64: causal, grouped-query, padding, random and additive masks; four all-to-alls of q, k, v
+    and the output's size each way."""
+    cases = [
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": None, "causal": True},
+        {"heads": 8, "kv_heads": 4, "seq": 16, "mask": None, "causal": True},
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "padding", "causal": False},
+        {"heads": 4, "kv_heads": 4, "seq": 32, "mask": "random", "causal": False},
+        {"heads": 4, "kv_heads": 4, "seq": 16, "mask": "additive", "causal": False},
+    ]
+    for rank_result in ranks(world).run(ring_against_sdpa, cases, True, "all_to_all"):
+        for case, diffs in zip(cases, rank_result):
+            for name in ("out", "dq", "dk", "dv"):
+                assert diffs[name] < 1e-12, (case, name, diffs)
+            q = 2 * case["heads"] * (case["seq"] // world) * 8 * 8
+            kv = 2 * case["kv_heads"] * (case["seq"] // world) * 8 * 8
+            assert diffs["all_to_all_bytes"] == 2 * (2 * q + 2 * kv) and diffs["ring_bytes"] == 0, case
+
+
 CP_GRID = [
     (family, mesh, plan)
     for family in ("gpt2", "llama", "bert")
-    for mesh in ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2})
-    for plan in ({}, {"zero": 3}, {"recompute": "full"}, {"zero": 1, "recompute": "selective"})
+    for mesh in ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "pp": 2})
+    for plan in (
+        {},
+        {"zero": 3},
+        {"recompute": "full"},
+        {"zero": 1, "recompute": "selective"},
+        {"cp_attention": "all_to_all"},
+    )
 ]
 
 
@@ -164,6 +202,8 @@ def test_cp_refuses_what_it_cannot_split() -> None:
         compile_case(build_case("gpt2", steps=1, seq=16, attention="eager"), autoshard.Mesh(cp=2), plan={})
     with pytest.raises(PlanError, match="attention with dropout"):
         compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), plan={})
+    with pytest.raises(PlanError, match="4 heads and 4 K/V heads; use cp_attention='ring'"):
+        compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=8), plan={"cp_attention": "all_to_all"})
     with pytest.raises(PlanError, match="not yet with tp=2"):
         compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=2, tp=2), plan={})
 
@@ -173,3 +213,21 @@ def test_the_mesh_puts_cp_between_dp_and_tp() -> None:
     assert mesh.size == 8 and mesh.coords(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
     assert mesh.group("cp", 5) == [5, 7] and mesh.group(("dp", "cp"), 5) == [1, 3, 5, 7]
     assert mesh.replica_index(7) == 3 and "cp=2" in str(mesh)
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_to_all"])
+def test_verify_compares_each_ranks_tokens(ranks, attention) -> None:
+    """verify under cp: every value a rank holds its tokens of is compared with the same tokens of one device's
+    (the attentions, the logits flattened over batch and tokens included); the loss and every parameter after
+    the step are the device's."""
+    case = build_case("llama", steps=1, seq=32)
+    batch = case.batches[0]
+    report = autoshard.verify(
+        copy.deepcopy(case.model), autoshard.Mesh(dp=2, cp=2), batch.inputs, batch.kwargs,
+        plan={"cp_attention": attention}, ranks=ranks(4),
+    )  # fmt: skip
+    assert report.ok, str(report)
+    compared = {c.node for c in report.checks}
+    assert {"scaled_dot_product_attention", "scaled_dot_product_attention_1"} <= compared
+    assert {(0,), (1,), (2,), (3,)} <= {c.ranks for c in report.checks}  # every dp x cp rank's tokens
+    assert abs(report.loss - report.reference_loss) < 1e-5

@@ -73,7 +73,7 @@ class Build:
 
 
 def _context_parallel(b: Build, gm: fx.GraphModule) -> PassResult:
-    result = run_pass(passes.context_parallel.PASS, gm, b.plan.cp, b.sizes)
+    result = run_pass(passes.context_parallel.PASS, gm, b.plan.cp, b.sizes, b.plan.cp_attention)
     b.cp_report = result.value
     return result
 

@@ -17,6 +17,8 @@ the early chunk attends to little and the late one to much, so every rank does t
                     in hand is computed, partial results merged by log-sum-exp; backward passes dK/dV round
                     the ring back to their owner (eagerly under torch.compile, as local_tokens)
     cross_entropy   a token mean over the global batch: the rank's sum over the global count of tokens
+    all_to_all_attention  the sequence traded for heads (DeepSpeed Ulysses): each rank attends with heads / cp
+                    of the heads over every token; two all-to-alls forward and two backward
 
 Gradients flow in the units of ``replica_mean``: a rank's gradient of its own tokens is cp times its share
 of the global gradient, which the runtime's mean over dp x cp turns back into the global gradient. So
@@ -49,7 +51,7 @@ __all__ = [
     "positions",
     "replica_mean",
     "ring_attention",
-    "whole_size",
+    "all_to_all_attention",
 ]
 
 
@@ -152,11 +154,6 @@ class ContextParallel(UnboundContextParallel):
 def positions(cp: UnboundContextParallel, seq_len: int, device: torch.device) -> torch.Tensor:
     """This rank's global positions of a sequence of ``seq_len`` tokens (the graph reads it once a size)."""
     return cp.positions(int(seq_len), device)
-
-
-def whole_size(cp: UnboundContextParallel, local: int) -> int:
-    """The size of a dimension over the whole sequence, from this rank's share of it."""
-    return local * cp.degree
 
 
 @stays_eager  # reads the rank's positions, kept outside the graph
@@ -465,3 +462,84 @@ def ring_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(cp, q, k, v, attn_mask, bool(is_causal), float(scale), int(seq_len))
+
+
+# ---- all-to-all attention (sequence <-> heads, as DeepSpeed Ulysses) -----------------------------------------
+
+
+def _all_to_all(cp: UnboundContextParallel, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Piece i to cp rank i; what each rank sent this one, in rank order (pieces of one shape)."""
+    flat = torch.cat([p.reshape(-1) for p in pieces])
+    splits = [pieces[0].numel()] * cp.degree
+    cp.comm.count("cp_all_to_all", flat.numel() * flat.element_size())
+    with cp.comm.timing("cp_all_to_all"):
+        got = _ops.wait_tensor(_ops.all_to_all_single(flat, splits, splits, cp.group_name))
+    return list(got.view(cp.degree, *pieces[0].shape).unbind(0))
+
+
+def _tokens_to_heads(cp: UnboundContextParallel, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[.., heads, this rank's tokens, dim] -> [.., this rank's heads, every token in order, dim]."""
+    heads = x.shape[-3] // cp.degree
+    got = _all_to_all(cp, list(x.split(heads, dim=-3)))  # from each rank: my heads of its tokens
+    out = x.new_empty(*x.shape[:-3], heads, seq_len, x.shape[-1])
+    for rank, part in enumerate(got):
+        out.index_copy_(-2, cp.positions(seq_len, x.device, rank), part)
+    return out
+
+
+def _heads_to_tokens(cp: UnboundContextParallel, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The inverse: [.., this rank's heads, every token, dim] -> [.., heads, this rank's tokens, dim]."""
+    pieces = [x.index_select(-2, cp.positions(seq_len, x.device, rank)) for rank in range(cp.degree)]
+    return torch.cat(_all_to_all(cp, pieces), dim=-3)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, x, seq_len):  # noqa: ANN001, ANN205 - autograd signature
+        ctx.cp, ctx.seq_len = cp, seq_len
+        return _tokens_to_heads(cp, x, seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
+        return None, _heads_to_tokens(ctx.cp, grad.contiguous(), ctx.seq_len), None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, x, seq_len):  # noqa: ANN001, ANN205 - autograd signature
+        ctx.cp, ctx.seq_len = cp, seq_len
+        return _heads_to_tokens(cp, x, seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
+        return None, _tokens_to_heads(ctx.cp, grad.contiguous(), ctx.seq_len), None
+
+
+@stays_eager  # all-to-alls around the attention, between the compiled parts
+def all_to_all_attention(
+    cp: UnboundContextParallel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    seq_len: int,
+) -> torch.Tensor:
+    """scaled_dot_product_attention with the sequence traded for heads: an all-to-all gives each cp rank
+    heads / cp of the heads over every token, the attention runs as on one device (its own kernel, the model's
+    mask whole), and a second all-to-all gives the tokens back. Heads (and K/V heads) divide by cp."""
+    seq_len = int(seq_len)
+    qh, kh, vh = (_TokensToHeads.apply(cp, t, seq_len) for t in (q, k, v))
+    mask = attn_mask
+    if mask is not None and mask.dim() >= 3 and mask.shape[-3] == q.shape[-3]:  # a mask per head: mine
+        heads = q.shape[-3] // cp.degree
+        mask = mask.narrow(-3, cp.rank * heads, heads)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa or kh.shape[-3] != qh.shape[-3],
+    )  # fmt: skip
+    return _HeadsToTokens.apply(cp, out, seq_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autoshard.graph_ops import context as cp_ops
 from autoshard.graph_ops import experts as ep_ops
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import LAYER, MODEL_PREFIX, RECOMPUTE, evaluate_expr, get_expert, get_layer, get_shape
@@ -70,6 +71,8 @@ def explain(program: Program) -> str:
         lines += ["", *_tensor_parallel(program)]
     if program.plan.ep > 1:
         lines += ["", *expert_lines(program)]
+    if program.plan.cp > 1:
+        lines += ["", *context_lines(program)]
     if program.runtime is not None:
         lines += ["", f"this rank ({program.rank}): {program.runtime.holder.describe()}"]
     lines += _torch_compile(program)
@@ -186,6 +189,35 @@ def _stages(program: Program) -> list[str]:
     if schedule.microbatches * schedule.virtual_stages <= 16:
         lines += ["", schedule.table()]
     return lines
+
+
+def context_lines(program: Program) -> list[str]:
+    """What cp does: each rank's tokens, the attentions that see the whole sequence and what they move."""
+    plan, sizes, report = program.plan, dict(program.plan_report.sizes), program.compiled.cp_report
+    seq, rows = sizes.get("S", 0), sizes["B"] // plan.dp // plan.microbatches
+    chunk = seq // (2 * plan.cp) if seq else 0
+    ring = plan.cp_attention == "ring"
+    lines = [
+        f"context parallel (cp={plan.cp}, {plan.cp_attention.replace('_', '-')} attention): each rank computes "
+        f"{seq // plan.cp if seq else '1/cp of the'} tokens of every sequence of {seq}, chunks i and {2 * plan.cp - 1}-i "
+        f"of {2 * plan.cp} ({chunk} tokens each, balanced under a causal mask); gradients are reduced over dp x cp "
+        f"= {plan.dp * plan.cp} ranks",
+        f"  {report}" if report is not None else "",
+    ]
+    graphs = [s.gm for s in program.compiled.stages] or [program.captured_graph]
+    kinds = (cp_ops.ring_attention, cp_ops.all_to_all_attention)
+    at = {**sizes, "B": rows}
+    for node in (n for gm in graphs for n in gm.graph.nodes if n.target in kinds):
+        q, k, v = (get_shape(a).tensor for a in node.args[1:4])
+        kv = evaluate_expr(k.nbytes + v.nbytes, at)
+        if ring:
+            moved = (2 * (plan.cp - 1) + plan.cp) * kv  # K/V round forward and backward, their gradients once
+            what = f"K/V blocks {fmt_count(int(kv))}B a lap, {plan.cp - 1} laps each way and the gradients' lap"
+        else:
+            moved = 2 * (2 * evaluate_expr(q.nbytes, at) + kv) * (plan.cp - 1) / plan.cp
+            what = "q, k, v and the output traded for heads, forward and backward"
+        lines.append(f"  {get_layer(node):<30} {node.name}: {fmt_count(int(moved))}B a rank a step ({what})")
+    return [line for line in lines if line]
 
 
 def expert_lines(program: Program) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoshard.graph_ops import context as cp_ops
 from autoshard.graph_ops import zero
 from autoshard.ir.meta import PIPE, TP_COMM, ZERO3
 from autoshard.ir.placements import Partial, Placement, Shard
@@ -79,7 +80,12 @@ def origin(node: fx.Node, ref: Any, stages: dict[int, fx.GraphModule]) -> tuple[
 
 
 def _is_runtime(target: Any) -> bool:
-    return getattr(target, "__module__", "").startswith("autoshard.runtime")
+    """A runtime op, or one a rewrite put in a node's place that computes the same value (its rank's share)."""
+    return getattr(target, "__module__", "").startswith("autoshard.runtime") or target in _SAME_VALUE
+
+
+# Context parallelism's attentions: the node's own value, this rank's tokens of it.
+_SAME_VALUE = (cp_ops.ring_attention, cp_ops.all_to_all_attention)
 
 
 def send_of(gm: fx.GraphModule | None, recv: Any) -> fx.Node | None:

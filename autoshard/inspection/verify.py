@@ -14,7 +14,9 @@ every collective the tensor-parallel rewrite inserted (its value is the node it 
 every ZeRO-3 gather (the parameter it gathers), every pipeline receive (the value the previous
 stage computed). Not an expert region under ep (its rows are those routed to the rank's experts from
 every ep rank, on the rank's experts): the values before dispatch and after combine are compared, and
-every expert weight after the step. Before anything runs, every stage's receives are matched with the previous stage's
+every expert weight after the step. Under cp each rank's value of a node is compared with its tokens of the
+device's (``autoshard.cp``: the shard's dimension, flattened [rows x tokens] included); a partial sum over
+each rank's tokens is not (the loss after its reduction is). Before anything runs, every stage's receives are matched with the previous stage's
 sends: a missing send would hang the pipeline, so it is reported instead.
 
 Only the graph's structure and the recorded placements are read, never how a collective is
@@ -34,6 +36,7 @@ from torch import fx, nn
 
 from autoshard.capture import capture
 from autoshard.capture.call import CallSpec
+from autoshard.graph_ops.context import chunk_positions
 from autoshard.inspection.node_values import (
     Recorder,
     join_over_tp,
@@ -44,8 +47,9 @@ from autoshard.inspection.node_values import (
     placement_str,
     send_of,
 )
-from autoshard.ir.meta import EXPERT, MODEL_PREFIX, PIPE, TP
+from autoshard.ir.meta import CP, EXPERT, MODEL_PREFIX, PIPE, TP
 from autoshard.ir.ops import packet
+from autoshard.ir.placements import Replicate, Shard
 from autoshard.runtime.pipeline import split_microbatches
 
 if TYPE_CHECKING:
@@ -244,6 +248,7 @@ def _compare(program: Program, reference: Reference, flat: list[torch.Tensor], s
     stages = {s.stage: s.gm for s in program.compiled.stages} or {0: program.compiled.captured.gm}
     per_dp = _slices(flat, shapes, plan.dp)
     memo: dict[tuple[int, int], dict[str, Any]] = {}
+    seq = program.plan_report.sizes.get("S", 0)
 
     def ref_values(dp: int, mb: int) -> dict[str, Any]:
         if (dp, mb) not in memo:
@@ -273,11 +278,15 @@ def _compare(program: Program, reference: Reference, flat: list[torch.Tensor], s
                 continue
             tp_meta = node.meta.get(TP)
             placement = tp_meta.out if tp_meta is not None else None
-            for dp in range(mesh.dp):
-                ranks = [mesh.rank_of(pp=pp, dp=dp, tp=t) for t in range(mesh.tp)]
+            tokens = node.meta[CP].out if mesh.cp > 1 and CP in node.meta else None
+            if mesh.cp > 1 and not (isinstance(tokens, Shard) or tokens == _WHOLE):
+                skipped += 1  # a partial sum over each rank's tokens (a loss before its all-reduce)
+                continue
+            for dp, cp in ((d, c) for d in range(mesh.dp) for c in range(mesh.cp)):
+                ranks = [mesh.rank_of(pp=pp, dp=dp, cp=cp, tp=t) for t in range(mesh.tp)]
                 for call, mb in enumerate(mbs):
                     values = [gathered[r][stage].get(node.name, [None] * (call + 1))[call] for r in ranks]
-                    theirs = ref_values(dp, mb).get(source)
+                    theirs = _tokens_of(ref_values(dp, mb).get(source), tokens, cp, mesh.cp, seq)
                     if theirs is None or any(v is None for v in values):
                         continue
                     errors = [max_error(v, theirs, atol, rtol) for v in join_over_tp(values, placement)]
@@ -289,6 +298,20 @@ def _compare(program: Program, reference: Reference, flat: list[torch.Tensor], s
                     if not checks[-1].ok:  # the first divergence decides; later ones only follow from it
                         return _finish(program, reference, checks, flat, loss, state, atol, rtol, skipped)
     return _finish(program, reference, checks, flat, loss, state, atol, rtol, skipped)
+
+
+_WHOLE = Replicate()
+
+
+def _tokens_of(value: Any, placement: Any, rank: int, degree: int, seq: int) -> Any:
+    """A cp rank's tokens of a reference value along its shard (every token where the rank holds them all)."""
+    if not isinstance(placement, Shard) or not isinstance(value, torch.Tensor):
+        return value
+    index = chunk_positions(seq, rank, degree, value.device)
+    if value.shape[placement.dim] == seq:
+        return value.index_select(placement.dim, index)
+    rows = value.unflatten(placement.dim, (-1, seq))  # [rows x tokens], the tokens innermost
+    return rows.index_select(placement.dim + 1, index).flatten(placement.dim, placement.dim + 1)
 
 
 def _finish(program: Program, reference: Reference, checks: list[NodeCheck], flat: list[torch.Tensor], loss: float,

@@ -190,7 +190,7 @@ class Costing:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
         # Everything _costed_stages reads of the plan.
         key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
-               plan.dp, plan.ep, plan.cp, self._dtype(plan), micro, slowdown)  # fmt: skip
+               plan.dp, plan.ep, plan.cp, plan.cp_attention, self._dtype(plan), micro, slowdown)  # fmt: skip
         stages = self._stage_memo.get(key)
         if stages is None:
             stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
@@ -257,9 +257,14 @@ class Costing:
     def _ring(self, part: PartAtDegree, plan: Plan, sizes: dict[str, Any], times: Any) -> tuple[float, float]:
         """Seconds of a part's ring attention that its compute does not hide, forward and backward, one
         microbatch (graph_ops/context.py): K/V blocks go round cp - 1 times each way while the blocks in hand
-        are computed; the gradients of each block follow it, cp sends waited at once."""
+        are computed; the gradients of each block follow it, cp sends waited at once. All-to-all attention:
+        q, k, v and the output each traded once each way, on the critical path."""
         hw, span = self.hardware, plan.cp * plan.tp  # ring neighbours sit tp ranks apart
         kv = value(part.attention_kv_bytes, sizes)  # this rank's blocks (its share of the tokens)
+        if plan.cp_attention == "all_to_all":
+            q = value(part.attention_q_bytes, sizes)
+            exchanges = hw.collective_seconds("all_to_all", 2 * q + kv, plan.cp, span) + hw.sync(plan.cp)
+            return exchanges, exchanges
         itemsize = _itemsize(self._dtype(plan))
         send = hw.collective_seconds("send_recv", kv, 2, span)
         grads = hw.collective_seconds("send_recv", kv * max(4, itemsize) / itemsize, 2, span)  # fp32 at least

@@ -71,8 +71,10 @@ class PartAtDegree:
     expert_param_bytes: int = 0
     expert_elements: int = 0
     dispatch_bytes: sympy.Expr = sympy.Integer(0)
-    # What context parallelism's ring moves: the bytes of K and V of each attention, over the whole sequence.
+    # What context parallelism moves: the bytes of K and V of each attention (the ring's blocks), and of Q
+    # and the output (all-to-all attention trades all four), over the whole sequence.
     attention_kv_bytes: sympy.Expr = sympy.Integer(0)
+    attention_q_bytes: sympy.Expr = sympy.Integer(0)
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
@@ -158,17 +160,18 @@ def _profile_part(
                         tied, partial_bytes, sizes=sizes)  # fmt: skip
     if degree == 1:  # ep works with tp=1
         _experts(part, g, owned)
-    part.attention_kv_bytes = _attention_kv(g)
+    part.attention_kv_bytes = _attention_bytes(g, slice(1, 3))
+    part.attention_q_bytes = _attention_bytes(g, slice(0, 1))
     return part
 
 
-def _attention_kv(g: fx.GraphModule) -> sympy.Expr:
-    """K and V bytes of the part's attentions (scaled_dot_product_attention's second and third inputs)."""
+def _attention_bytes(g: fx.GraphModule, operands: slice) -> sympy.Expr:
+    """Bytes of these inputs of the part's attentions (scaled_dot_product_attention's q, k, v)."""
     kv = [
         get_shape(a).tensor.nbytes
         for n in g.graph.nodes
         if n.op == "call_function" and "scaled_dot_product" in str(n.target)
-        for a in n.args[1:3]
+        for a in n.args[operands]
         if isinstance(a, fx.Node)
     ]
     return sympy.Add(*kv)
@@ -202,6 +205,7 @@ class ModelProfile:
     blocks: tuple[str, ...]  # the block kind of each repeated block, in order
     block_names: tuple[str, ...]
     heads: int  # attention heads (0: no attention found)
+    kv_heads: int  # the keys' and values' heads (fewer under grouped-query attention)
     sizes: dict[str, int]
     kernels: str
     model_flops: float  # forward + backward FLOPs of one step at ``sizes`` (no recomputation)
@@ -231,10 +235,11 @@ def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple((str(n.target) if n.op == "call_function" else n.op, str(get_shape(n))) for n in nodes)
 
 
-def _heads(gm: fx.GraphModule) -> int:
+def _heads(gm: fx.GraphModule, operand: int = 0) -> int:
+    """The heads of the first attention's query (``operand`` 1: its keys', fewer under grouped-query attention)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and "scaled_dot_product" in str(node.target):
-            q = get_shape(node.args[0]).tensors[0]
+            q = get_shape(node.args[operand]).tensors[0]
             if len(q.sizes) >= 3:
                 return int(q.sizes[-3]) if q.sizes[-3].is_number else 0
     return 0
@@ -325,5 +330,15 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
     dtype = next((get_shape(n).tensors[0].dtype for n in nodes if n.op == "get_attr" and get_shape(n).tensors),
                  torch.float32)  # fmt: skip
     return ModelProfile(
-        parts, owned, tied, tuple(blocks), tuple(block_layers), _heads(gm), dict(sizes), kernels, model_flops, dtype
+        parts,
+        owned,
+        tied,
+        tuple(blocks),
+        tuple(block_layers),
+        _heads(gm),
+        _heads(gm, 1),
+        dict(sizes),
+        kernels,
+        model_flops,
+        dtype,
     )

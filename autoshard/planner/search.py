@@ -9,6 +9,7 @@ shape and ZeRO stage, best first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,7 @@ def context_degrees(world: int, seq: int | None, heads: int) -> list[int]:
 
 def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any], cps: list[int]) -> list[tuple[int, int, int, int]]:
     """(dp, tp, pp, cp) shapes: the mesh's, or every factorization of the world that the fixed fields allow
-    (cp > 1 with dp alone, as the runtime composes it)."""
+    (cp > 1 without tp, as the runtime composes it)."""
     if isinstance(world_or_mesh, Mesh):
         mesh = world_or_mesh
         for dim in ("dp", "tp", "pp", "cp"):
@@ -82,7 +83,7 @@ def _shapes(world_or_mesh: int | Mesh, overrides: dict[str, Any], cps: list[int]
         (*s, cp)
         for cp in cps
         for s in factorizations(world_or_mesh // cp)
-        if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s)) and (cp == 1 or s[1:] == (1, 1))
+        if all(overrides.get(d, v) == v for d, v in zip(("dp", "tp", "pp"), s)) and (cp == 1 or s[1] == 1)
     ]
     if not shapes:
         raise PlanError(
@@ -138,7 +139,10 @@ def enumerate_plans(
                 for sp in _options("sequence_parallel", overrides, [False, True] if tp > 1 else [False]):
                     if sp and tp == 1:
                         continue
-                    for recompute in _options("recompute", overrides, ["none", "selective", "full"]):
+                    recomputes = _options("recompute", overrides, ["none", "selective", "full"])
+                    for recompute, cp_attention in itertools.product(
+                        recomputes, _cp_attention_options(cp, overrides, costing)
+                    ):
                         options = _pipeline_options(pp, local, overrides, costing, fixed_mesh, refused)
                         for fields in options:
                             base = {
@@ -147,11 +151,19 @@ def enumerate_plans(
                                 "tp": tp,
                                 "pp": pp,
                                 "cp": cp,
+                                "cp_attention": cp_attention,
                                 "ep": ep,
                                 "zero": zero,
                                 "offload": offload,
                             }
                             yield Plan(**{**base, "sequence_parallel": sp, "recompute": recompute, **fields})
+
+
+def _cp_attention_options(cp: int, overrides: dict[str, Any], costing: Costing) -> list[str]:
+    """Ring attention always; all-to-all where it can split the heads and the key/value heads over cp."""
+    heads, kv_heads = costing.profile.heads, costing.profile.kv_heads or costing.profile.heads
+    splits = cp > 1 and heads and heads % cp == 0 and kv_heads % cp == 0
+    return _options("cp_attention", overrides, ["ring", "all_to_all"] if splits else ["ring"])
 
 
 def _pipeline_options(

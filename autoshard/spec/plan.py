@@ -14,6 +14,7 @@ from autoshard.spec.mesh import Mesh
 from autoshard.spec.schedules import SPLIT_BACKWARD, Schedule
 
 __all__ = [
+    "CP_ATTENTION",
     "DROPOUT_MASKS",
     "RECOMPUTE",
     "SCHEDULES",
@@ -27,6 +28,7 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
+CP_ATTENTION = ("ring", "all_to_all")
 DROPOUT_MASKS = ("per_rank", "single_device")
 
 
@@ -69,6 +71,9 @@ class Plan:
                       2cp-1-i of 2cp, so causal attention is balanced); attention runs as ring attention (K/V
                       blocks passed round the cp ranks), every other op on the rank's own tokens; parameters
                       are replicated over cp and their gradients reduced over dp x cp (passes/context_parallel.py)
+    cp_attention      how attention sees the whole sequence under cp: "ring" (K/V blocks passed round the cp
+                      ranks, overlapped with the block in hand) or "all_to_all" (the sequence traded for heads,
+                      DeepSpeed Ulysses: heads and K/V heads must divide by cp)
     ep                expert parallel degree, carved out of dp (it divides dp): each group of ep consecutive dp
                       ranks holds E / ep of a mixture of experts' E experts and sends each token to the rank
                       of its expert with an all-to-all; dense layers stay data parallel over all dp ranks,
@@ -108,6 +113,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_attention: str = "ring"
     ep: int = 1
     zero: int = 0
     offload: bool = False
@@ -207,13 +213,15 @@ class Plan:
             )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True shards activations across the tp group: it needs tp > 1")
+        if self.cp_attention not in CP_ATTENTION:
+            raise PlanError(f"plan field cp_attention={self.cp_attention!r} must be one of {CP_ATTENTION}")
         if self.cp > 1:
-            others = {"tp": self.tp, "pp": self.pp, "ep": self.ep}
+            others = {"tp": self.tp, "ep": self.ep}
             if any(v > 1 for v in others.values()):
                 raise PlanError(
-                    f"cp={self.cp} composes with dp and ZeRO in this version, not yet with "
+                    f"cp={self.cp} composes with dp, pp and ZeRO in this version, not yet with "
                     + ", ".join(f"{k}={v}" for k, v in others.items() if v > 1)
-                    + "; use cp with dp only (Mesh(dp=.., cp=..)), or that dimension without cp"
+                    + "; use cp with dp and pp (Mesh(dp=.., cp=.., pp=..)), or that dimension without cp"
                 )
             if self.dropout_masks != "per_rank":
                 raise PlanError(
@@ -273,7 +281,7 @@ class Plan:
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
         if self.cp > 1:
-            parts.insert(1, f"cp={self.cp}")
+            parts.insert(1, f"cp={self.cp}" + (f" ({self.cp_attention})" if self.cp_attention != "ring" else ""))
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
         if self.offload:
