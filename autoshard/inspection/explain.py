@@ -199,8 +199,9 @@ def context_lines(program: Program) -> list[str]:
     ring = plan.cp_attention == "ring"
     lines = [
         f"context parallel (cp={plan.cp}, {plan.cp_attention.replace('_', '-')} attention): each rank computes "
-        f"{seq // plan.cp if seq else '1/cp of the'} tokens of every sequence of {seq}, chunks i and {2 * plan.cp - 1}-i "
-        f"of {2 * plan.cp} ({chunk} tokens each, balanced under a causal mask); gradients are reduced over dp x cp "
+        f"{seq // plan.cp if seq else '1/cp of the'} tokens of every sequence of {seq}, chunks i and "
+        f"{2 * plan.cp - 1}-i of {2 * plan.cp} ({chunk} tokens each, balanced under a causal mask); gradients are "
+        f"reduced over dp x cp "
         f"= {plan.dp * plan.cp} ranks",
         f"  {report}" if report is not None else "",
     ]

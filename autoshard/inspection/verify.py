@@ -16,8 +16,9 @@ stage computed). Not an expert region under ep (its rows are those routed to the
 every ep rank, on the rank's experts): the values before dispatch and after combine are compared, and
 every expert weight after the step. Under cp each rank's value of a node is compared with its tokens of the
 device's (``autoshard.cp``: the shard's dimension, flattened [rows x tokens] included); a partial sum over
-each rank's tokens is not (the loss after its reduction is). Before anything runs, every stage's receives are matched with the previous stage's
-sends: a missing send would hang the pipeline, so it is reported instead.
+each rank's tokens is not (the loss after its reduction is). Before anything runs, every stage's receives
+are matched with the previous stage's sends: a missing send would hang the pipeline, so it is reported
+instead.
 
 Only the graph's structure and the recorded placements are read, never how a collective is
 implemented. Random ops (dropout) draw differently on ranks and on one device: verify models
