@@ -8,6 +8,7 @@ form of torch's context parallelism a user would run on this machine.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -95,10 +96,19 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
 
     cp_attention._cp_options.enable_load_balance = True
     ids, target = _batch(seq)
-    program = autoshard.compile(
-        _model(seq), autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, optimizer=_adamw,
-        example_target=target, plan={},
-    )  # fmt: skip
+    programs = {
+        attention: autoshard.compile(
+            _model(seq),
+            autoshard.Mesh(cp=world_size),
+            (ids,),
+            loss_fn=next_token_loss,
+            optimizer=_adamw,
+            example_target=target,
+            plan={"cp_attention": attention},
+        )  # fmt: skip
+        for attention in ("ring", "all_to_all")
+    }
+    program = programs["ring"]
     group = dist.group.WORLD
     theirs_model = nn.parallel.DistributedDataParallel(_TorchCPGPT(_model(seq), group))
     theirs_opt = _adamw(theirs_model.parameters())
@@ -107,6 +117,9 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
 
     def ours() -> float:
         return program.step(ids, target=target)
+
+    def all_to_all() -> float:
+        return programs["all_to_all"].step(ids, target=target)
 
     def torch_ring() -> float:
         theirs_opt.zero_grad()
@@ -117,13 +130,13 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
         dist.all_reduce(reported)
         return reported.item() / world_size
 
-    systems = {"autoshard": ours, "torch": torch_ring}
+    systems = {"autoshard": ours, "torch": torch_ring, "autoshard all-to-all": all_to_all}
     losses = {name: [fn() for _ in range(2)] for name, fn in systems.items()}
     for name, seen in losses.items():
         if any(abs(a - b) > 1e-4 * abs(b) for a, b in zip(seen, losses["autoshard"])):
             raise AssertionError(f"losses differ: autoshard {losses['autoshard']}, {name} {seen}")
     timings: dict[str, list[float]] = {name: [] for name in systems}
-    exposed, total = [], []
+    exposed, total, sent = [], [], (0, 0)
     names = list(systems)
     for round_ in range(rounds):
         shift = round_ % len(names)
@@ -137,19 +150,20 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
             timings[name].append((time.perf_counter() - start) / steps)
             if name == "autoshard":
                 exposed.append(program.comm.seconds["cp_ring"] / steps)
+                sent = (program.comm.volume_bytes["cp_ring"] // steps, program.comm.calls["cp_ring"] // steps)
     # The ring's own time: the same sends with nothing to overlap them (each step's K/V laps, forward and
     # backward, and the gradients' lap), as the step's ring sent them.
     cp = program.runtime.cp
-    volume = program.comm.volume_bytes["cp_ring"] / steps if program.comm.volume_bytes["cp_ring"] else 0
-    sends = max(1, program.comm.calls["cp_ring"] // steps)
-    block = torch.empty(max(1, int(volume // sends // 4)))
+    volume, sends = sent
+    block = torch.empty(max(1, volume // max(1, sends) // 4))
     for _ in range(rounds):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(sends):
             cp.wait(cp.exchange([block]))
         total.append(time.perf_counter() - start)
-    return {"timings": timings, "exposed": exposed, "ring": total}
+    predicted = {name: p.plan_report.chosen.step_time for name, p in programs.items()}
+    return {"timings": timings, "exposed": exposed, "ring": total, "predicted": predicted}
 
 
 def _rank_memory(rank: int, world_size: int, seq: int) -> dict[str, Any]:
@@ -161,7 +175,17 @@ def _rank_memory(rank: int, world_size: int, seq: int) -> dict[str, Any]:
     )  # fmt: skip
     program.step(ids, target=target)  # warm: the rank's positions and the optimizer's state are made
     gm = program.runtime.graphs[0]
-    outputs, net, _ = allocation_trace(lambda: gm(ids, target))
+
+    def forward() -> Any:
+        outputs = gm(ids, target)
+        # The ring's send buffers are released once gloo's threads are through with them: every rank done, then
+        # a moment, so what is left is what backward needs.
+        dist.barrier()
+        time.sleep(0.5)
+        gc.collect()
+        return outputs
+
+    outputs, net, _ = allocation_trace(forward)
     kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
     outputs[0].backward()
     accounted = sum(memory.evaluate(B=1, S=seq)["kept"] for _, memory in program.compiled.cost.saved_for_backward)
@@ -187,12 +211,13 @@ def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, 
     with LocalRanks(ranks) as pool:
         memory = pool.run(_rank_memory, memory_seq)
     whole = _single_device_kept(memory_seq)
-    kept = max(r["allocator"] for r in memory)
+    kept = max(r["allocator"] for r in memory)  # the rank that keeps the most
     accounted = max(r["accounting"] for r in memory)
+    spread = min(r["allocator"] for r in memory)
     report(
         f"{described} of {memory_seq} tokens: activation bytes a rank keeps for backward at cp={ranks} vs one "
-        f"device (allocator; the compiler's accounting says {accounted / mib:.1f} MiB, "
-        f"{accounted / kept:.3f} of the allocator's)",
+        f"device (allocator, the rank keeping most; the least {spread / mib:.1f} MiB; the compiler's accounting "
+        f"says {accounted / mib:.1f} MiB, {accounted / kept:.3f} of the most)",
         f"{kept / mib:.1f} MiB",
         f"cp=1 {whole / mib:.1f} MiB",
         kept / whole,
@@ -200,7 +225,7 @@ def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, 
     )
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank_step_time, seq, 2, 4)
-    step = {name: statistics.median(t for r in results for t in r["timings"][name]) for name in ("autoshard", "torch")}
+    step = {name: statistics.median(t for r in results for t in r["timings"][name]) for name in results[0]["timings"]}
     report(
         f"{described} of {seq} tokens: cp={ranks} step (gloo, CPU flash kernel on both sides)",
         f"{step['autoshard'] * 1e3:.1f} ms",
@@ -208,6 +233,22 @@ def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, 
         step["autoshard"] / step["torch"],
         "<= 1.0",
     )
+    report(
+        f"{described} of {seq} tokens: cp={ranks} step, all-to-all attention (sequence traded for heads) vs ring",
+        f"{step['autoshard all-to-all'] * 1e3:.1f} ms",
+        f"ring {step['autoshard'] * 1e3:.1f} ms",
+        step["autoshard all-to-all"] / step["autoshard"],
+        "reported",
+    )
+    for name, measured in (("ring", step["autoshard"]), ("all_to_all", step["autoshard all-to-all"])):
+        predicted = results[0]["predicted"][name]
+        report(
+            f"{described} of {seq} tokens: the planner's cp={ranks} {name} step (CPU preset) vs measured",
+            f"{predicted * 1e3:.1f} ms",
+            f"measured {measured * 1e3:.1f} ms",
+            predicted / measured,
+            "0.75 - 1.25",
+        )
     exposed = statistics.median(t for r in results for t in r["exposed"])
     ring = statistics.median(t for r in results for t in r["ring"])
     report(

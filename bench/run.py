@@ -17,6 +17,7 @@ import torch
 from allocations import allocation_trace
 from autoshard.passes import tp_rewrite
 from checkpoint import bench_checkpoint
+from context import bench_context
 from experts import bench_experts
 from recompute import bench_recompute
 
@@ -924,6 +925,7 @@ BENCHMARKS = {
     "recompute": lambda: bench_recompute(report),
     "checkpoint": lambda: bench_checkpoint(report),
     "experts": lambda: bench_experts(report),
+    "context": lambda: bench_context(report),
 }
 
 
