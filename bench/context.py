@@ -96,6 +96,7 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
 
     cp_attention._cp_options.enable_load_balance = True
     ids, target = _batch(seq)
+    hardware = autoshard.Hardware.measure()  # the planner's predictions, calibrated on these ranks
     programs = {
         attention: autoshard.compile(
             _model(seq),
@@ -105,6 +106,7 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
             optimizer=_adamw,
             example_target=target,
             plan={"cp_attention": attention},
+            hardware=hardware,
         )  # fmt: skip
         for attention in ("ring", "all_to_all")
     }
@@ -243,7 +245,8 @@ def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, 
     for name, measured in (("ring", step["autoshard"]), ("all_to_all", step["autoshard all-to-all"])):
         predicted = results[0]["predicted"][name]
         report(
-            f"{described} of {seq} tokens: the planner's cp={ranks} {name} step (CPU preset) vs measured",
+            f"{described} of {seq} tokens: the planner's cp={ranks} {name} step (Hardware.measure() on these ranks) "
+            f"vs measured",
             f"{predicted * 1e3:.1f} ms",
             f"measured {measured * 1e3:.1f} ms",
             predicted / measured,

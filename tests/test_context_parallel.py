@@ -180,7 +180,7 @@ def test_the_cp_graph_shows_rings_and_local_sizes() -> None:
     """Offline (no process group): every attention is ring attention, the token inputs are cut where they enter,
     the positions' embedding where it meets the tokens, and sharded values carry their local sizes."""
     case = build_case("gpt2", steps=1, **shape_of("gpt2", 32))
-    program = compile_case(case, autoshard.Mesh(cp=2), plan={})
+    program = compile_case(case, autoshard.Mesh(cp=2), plan={"cp_attention": "ring"})
     gm = program.compiled.captured.gm
     rings = [n for n in gm.graph.nodes if n.target is context.ring_attention]
     assert len(rings) == 2

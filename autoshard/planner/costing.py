@@ -255,22 +255,28 @@ class Costing:
         return out
 
     def _ring(self, part: PartAtDegree, plan: Plan, sizes: dict[str, Any], times: Any) -> tuple[float, float]:
-        """Seconds of a part's ring attention that its compute does not hide, forward and backward, one
-        microbatch (graph_ops/context.py): K/V blocks go round cp - 1 times each way while the blocks in hand
-        are computed; the gradients of each block follow it, cp sends waited at once. All-to-all attention:
-        q, k, v and the output each traded once each way, on the critical path."""
+        """Seconds cp adds to a part, forward and backward, one microbatch (graph_ops/context.py).
+
+        Ring: K/V blocks go round cp - 1 times each way, each hidden behind the attention of the block in hand
+        (1/cp of the part's attention time); the gradients of each block follow it, a lap hidden behind the
+        next block's backward, the last lap not at all; and each step merges its block into the running output
+        (a few passes over it) and launches its kernels apart. All-to-all: q, k, v and the output each traded
+        once each way, on the critical path."""
         hw, span = self.hardware, plan.cp * plan.tp  # ring neighbours sit tp ranks apart
         kv = value(part.attention_kv_bytes, sizes)  # this rank's blocks (its share of the tokens)
+        q = value(part.attention_q_bytes, sizes)
         if plan.cp_attention == "all_to_all":
-            q = value(part.attention_q_bytes, sizes)
             exchanges = hw.collective_seconds("all_to_all", 2 * q + kv, plan.cp, span) + hw.sync(plan.cp)
             return exchanges, exchanges
+        attention = sum(t for name, t in times.by_node.items() if "scaled_dot_product" in name)
         itemsize = _itemsize(self._dtype(plan))
         send = hw.collective_seconds("send_recv", kv, 2, span)
         grads = hw.collective_seconds("send_recv", kv * max(4, itemsize) / itemsize, 2, span)  # fp32 at least
-        laps = plan.cp - 1
-        forward = max(0.0, laps * send - hw.overlap * times.forward)
-        backward = max(0.0, laps * send - hw.overlap * times.backward) + plan.cp * grads
+        laps, per_block = plan.cp - 1, attention / plan.cp
+        merges = plan.cp * hw.memory_seconds(6 * q * max(4, itemsize) / itemsize, kernels=8)  # out, lse: a few passes
+        forward = laps * max(0.0, send - hw.overlap * per_block) + merges
+        backward = laps * max(0.0, send - hw.overlap * 2 * per_block) + grads
+        backward += laps * max(0.0, grads - hw.overlap * 2 * per_block) + merges
         return forward, backward
 
     def _all_to_alls(self, part: PartAtDegree, plan: Plan, sizes: dict[str, int]) -> float:
