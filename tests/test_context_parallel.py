@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from cases import build_case, compile_case, train_plan, train_single_device
+from checkpoint_cases import load_and_train, train_and_save
 from compiled_cases import train_compiled
 from context_cases import ring_against_sdpa, tiny_gpt_cp
 from hypothesis import given, settings
@@ -201,7 +202,9 @@ def test_cp_refuses_what_it_cannot_split() -> None:
     with pytest.raises(PlanError, match=r"mixes tokens outside attention.*attn_implementation='sdpa'"):
         compile_case(build_case("gpt2", steps=1, seq=16, attention="eager"), autoshard.Mesh(cp=2), plan={})
     with pytest.raises(PlanError, match="attention with dropout"):
-        compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), plan={})
+        compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), {"cp_attention": "ring"})
+    dropout = compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), plan={})
+    assert dropout.plan.cp_attention == "all_to_all"  # the planner's choice where the ring cannot draw dropout
     with pytest.raises(PlanError, match="4 heads and 4 K/V heads; use cp_attention='ring'"):
         compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=8), plan={"cp_attention": "all_to_all"})
     with pytest.raises(PlanError, match="not yet with tp=2"):
@@ -231,3 +234,16 @@ def test_verify_compares_each_ranks_tokens(ranks, attention) -> None:
     assert {"scaled_dot_product_attention", "scaled_dot_product_attention_1"} <= compared
     assert {(0,), (1,), (2,), (3,)} <= {c.ranks for c in report.checks}  # every dp x cp rank's tokens
     assert abs(report.loss - report.reference_loss) < 1e-5
+
+
+def test_a_checkpoint_saved_under_cp_resumes_at_another_cp(ranks, tmp_path) -> None:
+    """Parameters are whole on every cp rank: saved at dp2 x cp2 with ZeRO-1 after one step, the run goes on at
+    cp4 and at dp4 with ZeRO-3 as one device goes on."""
+    shape = shape_of("llama", 64)
+    path = str(tmp_path / "ck")
+    ranks(4).run(train_and_save, "llama", {"dp": 2, "cp": 2}, {"zero": 1}, 3, 1, path, **shape)
+    ref_losses, ref_state = reference("llama", **shape)
+    for mesh, plan in (({"cp": 4}, {}), ({"dp": 4}, {"zero": 3})):
+        resumed = ranks(4).run(load_and_train, "llama", mesh, plan, 3, path, **shape)
+        assert resumed[0]["losses"] == pytest.approx(ref_losses[1:], rel=1e-5), mesh
+        assert_state_close(resumed[0]["state"], ref_state)

@@ -206,6 +206,7 @@ class ModelProfile:
     block_names: tuple[str, ...]
     heads: int  # attention heads (0: no attention found)
     kv_heads: int  # the keys' and values' heads (fewer under grouped-query attention)
+    attention_dropout: bool  # some attention drops probabilities (ring attention under cp does not draw them)
     sizes: dict[str, int]
     kernels: str
     model_flops: float  # forward + backward FLOPs of one step at ``sizes`` (no recomputation)
@@ -233,6 +234,14 @@ class ModelProfile:
 
 def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple((str(n.target) if n.op == "call_function" else n.op, str(get_shape(n))) for n in nodes)
+
+
+def _attention_dropout(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "scaled_dot_product" in str(node.target):
+            if (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) not in (0, 0.0, None):
+                return True
+    return False
 
 
 def _heads(gm: fx.GraphModule, operand: int = 0) -> int:
@@ -337,6 +346,7 @@ def _profile(gm: fx.GraphModule, sizes: dict[str, int], kernels: str, model_flop
         tuple(block_layers),
         _heads(gm),
         _heads(gm, 1),
+        _attention_dropout(gm),
         dict(sizes),
         kernels,
         model_flops,

@@ -160,10 +160,14 @@ def enumerate_plans(
 
 
 def _cp_attention_options(cp: int, overrides: dict[str, Any], costing: Costing) -> list[str]:
-    """Ring attention always; all-to-all where it can split the heads and the key/value heads over cp."""
+    """Ring attention, unless the attention drops probabilities (which the ring does not draw); all-to-all where
+    it can split the heads and the key/value heads over cp."""
     heads, kv_heads = costing.profile.heads, costing.profile.kv_heads or costing.profile.heads
     splits = cp > 1 and heads and heads % cp == 0 and kv_heads % cp == 0
-    return _options("cp_attention", overrides, ["ring", "all_to_all"] if splits else ["ring"])
+    options = ["all_to_all"] if splits else []
+    if not (options and costing.profile.attention_dropout):
+        options.insert(0, "ring")  # (with dropout and no all-to-all, compile says why)
+    return _options("cp_attention", overrides, options)
 
 
 def _pipeline_options(
