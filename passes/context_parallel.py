@@ -9,8 +9,9 @@ Each cp rank is handed the same rows as the others of its dp rank, every token o
 this rank's tokens (graph_ops/context.py: two chunks of each sequence, for balanced causal attention) and
 the sharding rules (autoshard.sharding, as tensor parallelism uses them) carry the shard through the model:
 
-1. Seeds: the inputs a token's computation starts from, the token ids an embedding reads (through views)
-   and float inputs with a sequence dimension, are cut to this rank's tokens where they enter.
+1. Seeds: where a token's computation starts. An embedding reads this rank's tokens of its indices (token
+   ids, positions); every rank is handed every token, and what else reads the ids (a label shift, a mask
+   built from them) reads them whole. A float input with a sequence dimension is cut where it enters.
 2. Every op that works token by token keeps the shard (linears, norms, pointwise ops, views). Where such an
    op meets a value every rank holds whole (positions, their embeddings, rotary tables, masks, labels after
    the model shifted them), that value is cut to this rank's tokens there: positions and masks are computed
@@ -42,7 +43,6 @@ from torch import fx
 from autoshard.errors import InputError, PlanError
 from autoshard.graph_ops import context as cp_ops
 from autoshard.ir.meta import CP, LAYER, SHAPE, CpPlacement, NodeShape, TensorShape, get_shape
-from autoshard.ir.ops import SHARD_PRESERVING
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
 from autoshard.sharding import rule_of
 from autoshard.sharding.rule import Decision, RuleInput, fits_ranks, replicate_all, sequence_dim
@@ -68,8 +68,9 @@ _INSERTED = (
 
 @dataclass
 class CpReport:
-    """What the pass did: the inputs it cut, the attentions it turned into rings, the whole values it cut to
-    this rank's tokens, the partial values it all-reduced, how the loss leaves."""
+    """What the pass did: the token indices (and float inputs) it cut, the attentions it turned into rings or
+    all-to-alls, the other whole values it cut to this rank's tokens, the partial values it all-reduced, how
+    the loss leaves."""
 
     degree: int
     mode: str = "ring"
@@ -81,7 +82,8 @@ class CpReport:
 
     def __str__(self) -> str:
         return (
-            f"cp={self.degree}: inputs {', '.join(self.inputs)} cut to each rank's tokens; "
+            f"cp={self.degree}: {', '.join(self.inputs)} cut to each rank's tokens where an embedding reads them "
+            f"(or where they enter); "
             f"{len(self.attention)} attention(s) as {self.mode} attention; {len(self.sliced)} whole value(s) cut where "
             f"they meet the tokens; {len(self.all_reduced)} sum(s) over tokens all-reduced; loss {self.loss}"
         )
@@ -97,33 +99,25 @@ def _is_tensor(node: object) -> bool:
     return shape is not None and shape.scalar is None and len(shape.tensors) == 1 and shape.tensors[0] is not None
 
 
-def _reaches_embedding(node: fx.Node) -> bool:
-    """Whether ``node`` is read, through views, as the indices of an embedding (token ids)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if user.op != "call_function":
-                continue
-            if user.target is aten.embedding.default and len(user.args) > 1 and user.args[1] is n:
-                return True
-            if user.target in SHARD_PRESERVING and user.args[0] is n:
-                stack.append(user)
-    return False
-
-
 def _seed(node: fx.Node) -> int | None:
-    """The sequence dimension of an input cut to this rank's tokens where it enters, or None."""
+    """The sequence dimension of a float input cut to this rank's tokens where it enters (embeddings passed
+    in, [batch, sequence, ...]), or None. Token ids stay whole: an embedding reads this rank's of them, and
+    whatever else reads them (a label shift) reads every token."""
     if not _is_tensor(node):
         return None
     shape = get_shape(node).tensor
     dim = sequence_dim(shape.sizes)
-    if dim is None:
-        return None
-    return dim if shape.dtype.is_floating_point or _reaches_embedding(node) else None
+    return dim if dim is not None and shape.dtype.is_floating_point else None
+
+
+def _sequence_input(gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
+    """An input with a sequence dimension (whose size is the whole sequence's length), and that dimension."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and _is_tensor(node):
+            dim = sequence_dim(get_shape(node).tensor.sizes)
+            if dim is not None:
+                return node, dim
+    return None
 
 
 class _Propagation:
@@ -135,7 +129,8 @@ class _Propagation:
         self.merged: set[fx.Node] = set()
         self.wants: list[tuple[fx.Node, fx.Node, Placement]] = []  # consumer, source, wanted placement
         self.seen: dict[fx.Node, object] = {}  # what later readers get (a partial all-reduced once is whole)
-        self.seeds: dict[fx.Node, int] = {}
+        self.seeds: dict[fx.Node, int] = {}  # float inputs cut where they enter
+        self.looked_up: list[fx.Node] = []  # indices an embedding reads this rank's tokens of
         self.notes: dict[fx.Node, str] = {}
 
     def run(self) -> None:
@@ -159,6 +154,10 @@ class _Propagation:
 
     def _decide(self, node: fx.Node) -> object:
         inputs = [a for a in node.all_input_nodes if self.p(a) != R]
+        if node.target is aten.embedding.default:
+            looked_up = self._embedding(node)  # where the tokens start: an embedding reads this rank's indices
+            if looked_up is not None:
+                return looked_up
         if not inputs:
             return R  # computed whole on every rank, as on one device
         if node.target is aten.sym_size.int:
@@ -205,6 +204,18 @@ class _Propagation:
             f"out as matmul -> softmax -> matmul instead of scaled_dot_product_attention); run the model's "
             f"attention as SDPA (attn_implementation='sdpa'), or train it with cp=1"
         )
+
+    def _embedding(self, node: fx.Node) -> object:
+        weight, ids = node.args[:2]
+        if self.p(weight) != R or self.p(ids) != R or not _is_tensor(ids):
+            return None
+        dim = sequence_dim(get_shape(ids).tensor.sizes)
+        if dim is None:
+            return None
+        self.wants.append((node, ids, Shard(dim)))
+        self.notes[node] = "an embedding of this rank's tokens"
+        self.looked_up.append(ids)
+        return Shard(dim)
 
     # Ops whose placement along cp differs from tensor parallelism's rule.
     def _special(self, ctx: RuleInput) -> Decision | None:
@@ -358,22 +369,24 @@ class _Rewriter:
                 node.meta[SHAPE] = NodeShape((_local_sizes(get_shape(node).tensor, placement.dim, self.degree),))
 
     def _seeds(self) -> None:
-        if not self.prop.seeds:
+        if not self.prop.seeds and not self.prop.looked_up:
             raise PlanError(
-                "context parallelism found no input with a sequence dimension to split (token ids an embedding "
-                "reads, or float inputs [batch, sequence, ...]); pass the sequence as the model's input, or use cp=1"
+                "context parallelism found no sequence to split: no embedding reads token ids [batch, sequence] "
+                "and no float input has a sequence dimension; pass the sequence as the model's input, or use cp=1"
             )
+        whole = _sequence_input(self.gm)
+        if whole is not None:  # the sequence's length, read off an input every rank is handed whole
+            placeholder, dim = whole
+            with self.graph.inserting_after(placeholder):
+                self.seq_len = self.graph.call_function(aten.sym_size.int, (placeholder, dim))
+            mark_inserted(self.seq_len, NodeShape(scalar=get_shape(placeholder).tensor.sizes[dim]), "(top)")
+            self.seq_len.meta[CP] = CpPlacement(R, note="the whole sequence's length")
+        self.report.inputs += [n.name for n in self.prop.looked_up]
         for placeholder, dim in self.prop.seeds.items():
             users = [u for u in placeholder.users if u.target is not aten.sym_size.int]  # sizes stay whole
-            with self.graph.inserting_after(placeholder):
-                size = self.graph.call_function(aten.sym_size.int, (placeholder, dim))
-            mark_inserted(size, NodeShape(scalar=get_shape(placeholder).tensor.sizes[dim]), "(top)")
-            size.meta[CP] = CpPlacement(R, note="the whole sequence's length")
-            if self.seq_len is None:
-                self.seq_len = size
             local = self._insert(
-                size, None, cp_ops.local_tokens, (self.cp, placeholder, dim, self.seq_len), get_shape(placeholder),
-                Shard(dim), "this rank's tokens",
+                self.seq_len, None, cp_ops.local_tokens, (self.cp, placeholder, dim, self.seq_len),
+                get_shape(placeholder), Shard(dim), "this rank's tokens",
             )  # fmt: skip
             for user in users:
                 user.replace_input_with(placeholder, local)
@@ -383,12 +396,13 @@ class _Rewriter:
         key = (source, dst)
         made = self.cache.get(key)
         if made is None:
-            if isinstance(dst, Shard):  # a whole value: this rank's tokens of it
+            if isinstance(dst, Shard):  # a whole value: this rank's tokens of it, before its first reader
                 made = self._insert(
-                    source, None, cp_ops.local_tokens, (self.cp, source, dst.dim, self.seq_len), get_shape(source),
+                    None, consumer, cp_ops.local_tokens, (self.cp, source, dst.dim, self.seq_len), get_shape(source),
                     dst, f"{consumer.name} reads this rank's tokens",
                 )  # fmt: skip
-                self.report.sliced.append(source.name)
+                if source not in self.prop.looked_up:
+                    self.report.sliced.append(source.name)
             else:  # a partial value needed whole
                 made = self._insert(
                     source, None, cp_ops.all_reduce, (self.cp, source), get_shape(source), R,

@@ -186,7 +186,9 @@ def test_the_cp_graph_shows_rings_and_local_sizes() -> None:
     rings = [n for n in gm.graph.nodes if n.target is context.ring_attention]
     assert len(rings) == 2
     report = program.compiled.cp_report
-    assert report.inputs == ["flat_0"] and len(report.attention) == 2 and "embedding_1" not in report.sliced
+    # the token ids and the positions, where the two embeddings read them
+    assert report.inputs == ["view", "unsqueeze"] and len(report.attention) == 2
+    assert report.sliced == ["expand_2", "to_4"]  # the mask's rows, the shifted labels
     assert report.loss.startswith("partial over cp")
     layer_norm = next(n for n in gm.graph.nodes if n.name == "layer_norm")
     assert str(layer_norm.meta["autoshard.shape"].tensor.sizes[1]) == "S/2"

@@ -213,7 +213,8 @@ def context_lines(program: Program) -> list[str]:
         kv = evaluate_expr(k.nbytes + v.nbytes, at)
         if ring:
             moved = (2 * (plan.cp - 1) + plan.cp) * kv  # K/V round forward and backward, their gradients once
-            what = f"K/V blocks {fmt_count(int(kv))}B a lap, {plan.cp - 1} laps each way and the gradients' lap"
+            laps = f"{plan.cp - 1} lap{'s' if plan.cp > 2 else ''}"
+            what = f"K/V blocks {fmt_count(int(kv))}B a lap, {laps} each way and the gradients' lap"
         else:
             moved = 2 * (2 * evaluate_expr(q.nbytes, at) + kv) * (plan.cp - 1) / plan.cp
             what = "q, k, v and the output traded for heads, forward and backward"
