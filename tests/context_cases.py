@@ -101,3 +101,58 @@ def tiny_gpt_cp(rank: int, world_size: int, seq: int, steps: int = 3) -> dict[st
     state = program.full_state_dict()
     worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if state else 0.0
     return {"losses": losses, "expected": expected, "worst": worst}
+
+
+class PooledAuxGPT(torch.nn.Module):
+    """TinyGPT whose loss adds a penalty on the mean hidden state over every token (a sum over the sequence read
+    nonlinearly: under cp a partial value all-reduced before it is squared)."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        from autoshard.models import TinyGPT
+
+        torch.manual_seed(0)
+        self.gpt = TinyGPT(vocab=64, dim=32, heads=4, layers=2, max_seq=seq)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gpt = self.gpt
+        x = gpt.wte(ids) + gpt.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in gpt.blocks:
+            x = block(x)
+        pooled = x.mean(dim=(0, 1))
+        return gpt.lm_head(gpt.ln_f(x)), (pooled - 0.1).pow(2).sum()
+
+
+def pooled_loss(outputs: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    logits, penalty = outputs
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + 10.0 * penalty
+
+
+def pooled_gpt_cp(rank: int, world_size: int, seq: int, mesh: dict[str, int], steps: int = 3) -> dict[str, Any]:
+    """PooledAuxGPT trained under ``mesh`` and on one device, here: losses and the largest parameter difference."""
+    import autoshard
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2 * mesh.get("dp", 1), seq + 1), generator=gen) for _ in range(steps)]
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+    ids, target = batches[0][:, :-1], batches[0][:, 1:]
+    program = autoshard.compile(
+        PooledAuxGPT(seq), autoshard.Mesh(**mesh), (ids,), loss_fn=pooled_loss, optimizer=adamw,
+        example_target=target, plan={},
+    )  # fmt: skip
+    local = program.local_batch
+    losses = [program.step(local(b[:, :-1]), target=local(b[:, 1:])) for b in batches]
+    reference = PooledAuxGPT(seq)
+    optimizer, expected = adamw(reference.parameters()), []
+    for b in batches:
+        optimizer.zero_grad()
+        loss = pooled_loss(reference(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    state = program.full_state_dict()
+    worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if state else 0.0
+    return {"losses": losses, "expected": expected, "worst": worst, "report": str(program.compiled.cp_report)}

@@ -10,7 +10,7 @@ import torch
 from cases import build_case, compile_case, train_plan, train_single_device
 from checkpoint_cases import load_and_train, train_and_save
 from compiled_cases import train_compiled
-from context_cases import ring_against_sdpa, tiny_gpt_cp
+from context_cases import pooled_gpt_cp, ring_against_sdpa, tiny_gpt_cp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tp import assert_state_close
@@ -132,6 +132,16 @@ def test_all_to_all_attention_equals_sdpa(ranks, world) -> None:
             q = 2 * case["heads"] * (case["seq"] // world) * 8 * 8
             kv = 2 * case["kv_heads"] * (case["seq"] // world) * 8 * 8
             assert diffs["all_to_all_bytes"] == 2 * (2 * q + 2 * kv) and diffs["ring_bytes"] == 0, case
+
+
+def test_a_mean_over_tokens_read_nonlinearly_is_all_reduced(ranks) -> None:
+    """A loss that squares the mean hidden state over every token: each rank's mean is a partial value, all-reduced
+    over cp before the square (its backward in the runtime's units), the loss the global one."""
+    for result in ranks(4).run(pooled_gpt_cp, 32, {"dp": 2, "cp": 2}):
+        assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["worst"] < 3e-6
+        # the mean, and the cross-entropy added to the whole penalty
+        assert "2 sum(s) over tokens all-reduced" in result["report"]
 
 
 CP_GRID = [

@@ -942,9 +942,9 @@ MUTANTS: list[dict] = [
     {
         "name": "127_cp_sum_over_tokens_backward_unscaled",
         "file": "autoshard/graph_ops/context.py",
-        "why": "a sum over tokens all-reduced over cp passes its gradient back unscaled (the runtime's mean divides it by cp)",
+        "why": "a sum over tokens all-reduced over cp passes its gradient back unscaled (the runtime divides it by cp)",
         "tests": ["tests/test_context_parallel.py"],
-        "k": "trains_as_one_device or grid_sample",
+        "k": "pooled",
     },
     {
         "name": "128_all_to_all_tokens_out_of_order",
@@ -963,7 +963,7 @@ MUTANTS: list[dict] = [
     {
         "name": "130_replica_index_collides",
         "file": "autoshard/spec/mesh.py",
-        "why": "two ranks of dp x cp get the same place among the ranks holding the same parameters (ZeRO shards collide)",
+        "why": "two ranks of dp x cp get the same place among the ranks holding the same parameters",
         "tests": ["tests/test_context_parallel.py"],
         "k": "mesh_puts or llama-cp4 or dp2-cp2",
     },
