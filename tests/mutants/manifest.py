@@ -944,7 +944,7 @@ MUTANTS: list[dict] = [
         "file": "autoshard/graph_ops/context.py",
         "why": "a sum over tokens all-reduced over cp passes its gradient back unscaled (the runtime divides it by cp)",
         "tests": ["tests/test_context_parallel.py"],
-        "k": "pooled",
+        "k": "mean_over_tokens",
     },
     {
         "name": "128_all_to_all_tokens_out_of_order",
