@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from autoshard.distributed import funcol
-from autoshard.errors import DistributedError, InputError
+from autoshard.errors import InputError
 from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.graph_ops.unbound import UnboundGroup
 
 __all__ = [
     "ContextParallel",
@@ -70,26 +70,11 @@ def chunk_positions(seq_len: int, rank: int, degree: int, device: Any = None) ->
     return torch.cat([first, last])
 
 
-class UnboundContextParallel(nn.Module):
+class UnboundContextParallel(UnboundGroup):
     """The ``cp`` of a graph built for inspection: its degree; running it needs a Program under a process group."""
 
-    rank = 0
-
-    def __init__(self, degree: int) -> None:
-        super().__init__()
-        self.degree = degree
-
-    def _unbound(self, *_: Any) -> Any:
-        raise DistributedError(
-            "this context-parallel graph was built for inspection; run it through a Program compiled under a "
-            "process group"
-        )
-
-    positions = exchange = _unbound
-
-    @property
-    def group_name(self) -> str:
-        return self._unbound()
+    kind = "context-parallel"
+    positions = exchange = UnboundGroup._unbound
 
 
 _ops = torch.ops._c10d_functional

@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from autoshard.distributed import funcol
-from autoshard.errors import DistributedError, InputError
+from autoshard.errors import InputError
 from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.graph_ops.unbound import UnboundGroup
 from autoshard.ir.ops import WRAPPERS
 from autoshard.ir.placements import Shard
 
@@ -47,28 +47,12 @@ __all__ = [
 ]
 
 
-class UnboundTensorParallel(nn.Module):
+class UnboundTensorParallel(UnboundGroup):
     """The ``tp`` of a graph built for inspection, and what the graph ops read of a rank's: its degree, its
     rank in the group, the group's name; running it needs a Program under a process group."""
 
-    rank = 0
-
-    def __init__(self, degree: int) -> None:
-        super().__init__()
-        self.degree = degree
-
-    def _unbound(self, *_: Any) -> Any:
-        raise DistributedError(
-            "this tensor-parallel graph was built for inspection; run it through a Program compiled under a "
-            "process group"
-        )
-
-    sum_ = sum_each_ = max_ = gather = reduce_scatter_ = rank_stream = _unbound
-
-    @property
-    def group_name(self) -> str:
-        """The process group's name, which the graph ops' functional collectives run on."""
-        return self._unbound()
+    kind = "tensor-parallel"
+    sum_ = sum_each_ = max_ = gather = reduce_scatter_ = rank_stream = UnboundGroup._unbound
 
 
 def check_divisible(tensor: torch.Tensor, placement: Shard, degree: int) -> None:
