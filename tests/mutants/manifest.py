@@ -913,7 +913,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "123_ring_reads_the_hidden_half_of_an_earlier_block",
-        "file": "autoshard/graph_ops/context.py",
+        "file": "autoshard/graph_ops/ring_attention.py",
         "why": "under is_causal a block of an earlier rank is read by its second chunk of keys, which the mask hides",
         "tests": ["tests/test_context_parallel.py"],
         "k": "ring_attention_equals or causal_sdpa",
@@ -955,7 +955,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "129_cp_flatten_keeps_the_outer_dimension",
-        "file": "passes/context_parallel.py",
+        "file": "autoshard/sharding/sequence.py",
         "why": "flatten of [batch, tokens] keeps the shard when the batch, not the tokens, is sharded",
         "tests": ["tests/test_context_parallel.py"],
         "k": "causal_sdpa",
