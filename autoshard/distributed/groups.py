@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from autoshard.spec.mesh import Mesh
 
-__all__ = ["expert_groups", "make_group", "shared_group"]
+__all__ = ["broadcast_tensors", "expert_groups", "make_group", "shared_group", "tied_groups"]
 
 
 _groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (default group, group)
@@ -63,3 +65,32 @@ def expert_groups(
             if rank in ranks:
                 mine[kind] = group
     return mine[0], mine[1]
+
+
+def tied_groups(
+    mesh: Mesh, rank: int, tied_sets: list[tuple[int, ...]], timeout: timedelta
+) -> dict[tuple[int, ...], Any]:
+    """For each set of pipeline ranks sharing a tied weight, this rank's group among them (one group per
+    dp x cp x tp place; every rank creates every group, in order)."""
+    mine: dict[tuple[int, ...], Any] = {}
+    for pp_ranks in tied_sets:
+        for dp, cp, tp in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+            ranks = [mesh.rank_of(pp=r, dp=dp, cp=cp, tp=tp) for r in pp_ranks]
+            group = shared_group(ranks, timeout)
+            if rank in ranks:
+                mine[pp_ranks] = group
+    return mine
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device, src: int, group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` takes rank ``src``'s values of ``tensors``: one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in dict.fromkeys(tensors):
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.reshape(-1).to(device) for t in same_dtype])
+            dist.broadcast(flat, src=src, group=group)
+            for t, value in zip(same_dtype, flat.split([t.numel() for t in same_dtype])):
+                t.copy_(value.view_as(t))

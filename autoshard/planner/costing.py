@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 
-from autoshard.planner.part_times import value
+from autoshard.planner.exchanges import context_exchanges, expert_exchanges
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
@@ -229,10 +229,10 @@ class Costing:
                     elements -= count * (part.expert_elements - kept_share[1])
                     expert_params += count * kept_share[0]
                     expert_elements += count * kept_share[1]
-                    exchanges = count * self._all_to_alls(part, plan, sizes)
+                    exchanges = count * expert_exchanges(part, plan, sizes, hw)
                     f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
-                    forward, backward = self._ring(part, plan, sizes, times)
+                    forward, backward = context_exchanges(part, plan, sizes, times, hw, _itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                 k, tr, _ = part.at(choice, sizes, plan.autocast)
                 kept += count * k
@@ -253,40 +253,6 @@ class Costing:
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
                              expert_params, expert_elements, ep, ring))  # fmt: skip
         return out
-
-    def _ring(self, part: PartAtDegree, plan: Plan, sizes: dict[str, Any], times: Any) -> tuple[float, float]:
-        """Seconds cp adds to a part, forward and backward, one microbatch (graph_ops/context.py).
-
-        Ring: K/V blocks go round cp - 1 times each way, each hidden behind the attention of the block in hand
-        (1/cp of the part's attention time); the gradients of each block follow it, a lap hidden behind the
-        next block's backward, the last lap not at all; and each step merges its block into the running output
-        (a few passes over it) and launches its kernels apart. All-to-all: q, k, v and the output each traded
-        once each way, on the critical path."""
-        hw, span = self.hardware, plan.cp * plan.tp  # ring neighbours sit tp ranks apart
-        kv = value(part.attention_kv_bytes, sizes)  # this rank's blocks (its share of the tokens)
-        q = value(part.attention_q_bytes, sizes)
-        if plan.cp_attention == "all_to_all":
-            exchanges = hw.collective_seconds("all_to_all", 2 * q + kv, plan.cp, span) + hw.sync(plan.cp)
-            return exchanges, exchanges
-        attention = sum(t for name, t in times.by_node.items() if "scaled_dot_product" in name)
-        itemsize = _itemsize(self._dtype(plan))
-        send = hw.collective_seconds("send_recv", kv, 2, span)
-        grads = hw.collective_seconds("send_recv", kv * max(4, itemsize) / itemsize, 2, span)  # fp32 at least
-        laps, per_block = plan.cp - 1, attention / plan.cp
-        merges = plan.cp * hw.memory_seconds(6 * q * max(4, itemsize) / itemsize, kernels=8)  # out, lse: a few passes
-        forward = laps * max(0.0, send - hw.overlap * per_block) + merges
-        backward = laps * max(0.0, send - hw.overlap * 2 * per_block) + grads
-        backward += laps * max(0.0, grads - hw.overlap * 2 * per_block) + merges
-        return forward, backward
-
-    def _all_to_alls(self, part: PartAtDegree, plan: Plan, sizes: dict[str, int]) -> float:
-        """Seconds of one microbatch's all-to-alls in a part's MoE layers, forward and backward: per layer the
-        counts (latency only), then each way a dispatch and a combine of its rows, over ep consecutive dp ranks."""
-        hw, span = self.hardware, plan.ep * plan.tp
-        rows = value(part.dispatch_bytes, sizes) / part.moe_layers
-        move = hw.collective_seconds("all_to_all", rows, plan.ep, span)
-        counts = hw.collective_seconds("all_gather", 8 * part.experts * plan.ep, plan.ep, span) + hw.sync(plan.ep)
-        return part.moe_layers * (counts + 4 * move)
 
     def _data_parallel(
         self, plan: Plan, stages: list[Stage], window: float, compute: float, node: int

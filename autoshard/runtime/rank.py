@@ -20,7 +20,6 @@ optimizer steps and the holder writes the update back.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,7 +31,7 @@ from torch import fx, nn
 
 from autoshard.distributed import funcol
 from autoshard.distributed.comm import CommCounter
-from autoshard.distributed.groups import expert_groups, make_group, shared_group
+from autoshard.distributed.groups import broadcast_tensors, expert_groups, make_group, shared_group, tied_groups
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.batch_stats import BatchStatistics
@@ -125,14 +124,8 @@ class RankRuntime:
             self.ep = ExpertParallel(ep_group, comm)
             self.expert_comm = CommCounter(replicas, comm.calls, comm.volume_bytes, seconds=comm.seconds)
         self.p2p_group = self.world_group if plan.pp > 1 else None
-        self.ties: dict[tuple[int, ...], Any] = {}
         tied_sets = sorted({p.pp.ranks for p in compiled.placements.values() if p.tied})
-        for pp_ranks in tied_sets:
-            for dp, cp, tp in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
-                ranks = [mesh.rank_of(pp=r, dp=dp, cp=cp, tp=tp) for r in pp_ranks]
-                group = shared_group(ranks, timeout)
-                if self.rank in ranks:
-                    self.ties[pp_ranks] = group
+        self.ties: dict[tuple[int, ...], Any] = tied_groups(mesh, self.rank, tied_sets, timeout)
         # 2. tensor parallelism
         self.tp = (
             TensorParallel.for_rank(mesh, self.rank, self.device, tp_group, comm)
@@ -158,9 +151,11 @@ class RankRuntime:
                 tensors = [t for t in dict.fromkeys(self.tensors.values()) if (id(t) in experts) == expert]
                 tensors += [m for key, m in masters.items() if (key in experts) == expert]
                 if not expert:
-                    self._broadcast(tensors, self.mesh.group(REPLICAS, self.rank)[0], self.dp_group)
+                    broadcast_tensors(tensors, self.device, self.mesh.group(REPLICAS, self.rank)[0], self.dp_group)
                 elif self.expert_comm is not None and plan.dp > plan.ep:
-                    self._broadcast(tensors, mesh.expert_groups(self.rank, plan.ep)[1][0], self.expert_comm.group)
+                    broadcast_tensors(
+                        tensors, self.device, mesh.expert_groups(self.rank, plan.ep)[1][0], self.expert_comm.group
+                    )
         # 5. the holder of this rank's flat groups (a loop's slots read this rank's experts); dropout masks
         repoint_slots(compiled.captured.gm, list(self.graphs.values()), compiled.experts.slots, self.ep)
         self.holder = self._make_holder(masters)
@@ -211,18 +206,6 @@ class RankRuntime:
         if dist.is_initialized():
             dist.broadcast(state, src=0, group=self.world_group)
         return SingleDeviceMasks(self.compiled.masks, state.cpu(), self.coords, self.mesh)
-
-    def _broadcast(self, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in dict.fromkeys(tensors):
-            if tensor.numel():
-                by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for same_dtype in by_dtype.values():
-                flat = torch.cat([t.reshape(-1).to(self.device) for t in same_dtype])
-                dist.broadcast(flat, src=src, group=group)
-                for t, value in zip(same_dtype, flat.split([t.numel() for t in same_dtype])):
-                    t.copy_(value.view_as(t))
 
     def _slots(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """(parameter, group, offset, numel) of every trainable parameter this rank's graphs read."""
