@@ -26,15 +26,16 @@ def test_256_rank_data_parallel_program_offline(gpt2_case) -> None:
     program = compile_gpt2(gpt2_case, Mesh(dp=256))
     assert program.plan == autoshard.Plan(dp=256)
     view = program.for_rank(255)
-    assert view.coords == {"pp": 0, "dp": 255, "tp": 0}
+    assert view.coords == {"pp": 0, "dp": 255, "cp": 0, "tp": 0}
     assert view.placements["lm_head.weight"] == {
         "pp": Replicate(),
         "dp": Replicate(),
+        "cp": Replicate(),
         "tp": Replicate(),
         "ep": Replicate(),
     }
     assert "aten.scaled_dot_product_attention" in view.graph_code()
-    assert str(view).startswith("rank 255 (pp=0, dp=255, tp=0): 1 graph(s)")
+    assert str(view).startswith("rank 255 (pp=0, dp=255, cp=0, tp=0): 1 graph(s)")
     # Compile is deterministic: every rank's graph is the same code.
     assert program.for_rank(0).graph_code() == view.graph_code()
 
@@ -80,7 +81,7 @@ def test_every_strategy_composes_offline(gpt2_case) -> None:
 def test_three_dimensional_program_offline(gpt2_case) -> None:
     program = compile_gpt2(gpt2_case, Mesh(dp=2, tp=2, pp=2), plan={"microbatches": 2})
     view = program.for_rank(7)
-    assert view.coords == {"pp": 1, "dp": 1, "tp": 1}
+    assert view.coords == {"pp": 1, "dp": 1, "cp": 0, "tp": 1}
     assert str(view.placements["transformer.h.1.attn.c_attn.weight"]["tp"]) == "S(1)x3"
     assert "transformer.h.0.attn.c_attn.weight" not in view.placements  # the other stage's
     assert "autoshard_graph_ops_tp_all_reduce" in view.graph_code()

@@ -159,7 +159,8 @@ class ParamPlacement:
         return coords["dp"] == 0 and coords.get("cp", 0) == 0
 
     def by_dim(self) -> dict[str, Placement]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}
+        # cp ranks hold other tokens of the same rows: every parameter is whole on each of them
+        return {"pp": self.pp, "dp": self.dp, "cp": Replicate(), "tp": self.tp, "ep": self.ep}
 
     def __str__(self) -> str:
         extra = " (gradient partial over tp)" if self.partial_over_tp else ""
