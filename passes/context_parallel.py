@@ -25,8 +25,10 @@ the sharding rules (autoshard.sharding, as tensor parallelism uses them) carry t
    needs whole is all-reduced over cp; the loss leaves the graph in the runtime's units (graph_ops/context.py:
    ``replica_mean``), so that the mean over dp x cp ranks the runtime takes is the global loss and gradient.
 5. Any other op that would need a sharded value whole mixes tokens (a cumsum, a convolution over time, a
-   sequence pooled by its first token, attention written out as matmul -> softmax -> matmul): cp refuses the
-   model with the node named, before any rank starts work.
+   sequence pooled by its first token, attention weights read outside the attention): cp refuses the model
+   with the node named, before any rank starts work. Attention written out (q @ k^T -> scale -> + mask ->
+   softmax -> dropout -> @ v, as Hugging Face's eager attention) is first folded into one SDPA node
+   (passes/eager_attention.py).
 
 Sizes: a view, reshape or expand of a sharded value gets the local size along the shard; a size read from a
 sharded value (``sym_size``) is multiplied back to the whole sequence's, so that every size in the graph
@@ -48,6 +50,7 @@ from autoshard.ir.meta import CP, LAYER, SHAPE, CpPlacement, NodeShape, TensorSh
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
 from autoshard.sharding.sequence import SEQUENCE_SUMS, Propagation, is_tensor, sequence_input
 
+from . import eager_attention
 from .infra import Need, Pass, PassResult, calls_to, mark_inserted, runtime_attr
 
 __all__ = ["PASS", "RUNTIME_ATTR", "CpReport", "run"]
@@ -79,13 +82,18 @@ class CpReport:
     sliced: list[str] = field(default_factory=list)
     all_reduced: list[str] = field(default_factory=list)
     loss: str = ""
+    folded: list[str] = field(default_factory=list)  # attentions written out, folded into one SDPA node
+
+    def _folded(self) -> str:
+        return f" ({len(self.folded)} written out, folded)" if self.folded else ""
 
     def __str__(self) -> str:
         return (
             f"cp={self.degree}: {', '.join(self.inputs)} cut to each rank's tokens where an embedding reads them "
             f"(or where they enter); "
-            f"{len(self.attention)} attention(s) as {self.mode} attention; {len(self.sliced)} whole value(s) cut where "
-            f"they meet the tokens; {len(self.all_reduced)} sum(s) over tokens all-reduced; loss {self.loss}"
+            f"{len(self.attention)} attention(s) as {self.mode} attention{self._folded()}; "
+            f"{len(self.sliced)} whole value(s) cut where they meet the tokens; "
+            f"{len(self.all_reduced)} sum(s) over tokens all-reduced; loss {self.loss}"
         )
 
 
@@ -287,10 +295,11 @@ def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: st
 
 
 def run(gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: str = "ring") -> PassResult:
+    folded = eager_attention.fold(gm)  # attention written out: one SDPA node, which cp splits
     _check(gm, degree, sizes, attention)
     prop = Propagation(gm, degree, sizes, attention)
     prop.run()
-    report = CpReport(degree, attention.replace("_", "-"))
+    report = CpReport(degree, attention.replace("_", "-"), folded=folded)
     _Rewriter(gm, prop, report).run()
     gm.graph.lint()
     gm.recompile()

@@ -32,8 +32,8 @@ def shape_of(family: str, seq: int | None = None) -> dict:
     return {"seq": seq, "positions": seq}
 
 
-def run_cp(ranks, family: str, mesh: dict, plan: dict, seq: int | None = None) -> list[dict]:
-    shape = shape_of(family, seq)
+def run_cp(ranks, family: str, mesh: dict, plan: dict, seq: int | None = None, **extra) -> list[dict]:
+    shape = {**shape_of(family, seq), **extra}
     world = mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1)
     results = ranks(world).run(train_plan, family, mesh, plan, **shape)
     ref_losses, ref_state = reference(family, max_grad_norm=plan.get("max_grad_norm"), **shape)
@@ -206,13 +206,36 @@ def test_the_cp_graph_shows_rings_and_local_sizes() -> None:
     assert "cp=2" in str(program.plan)
 
 
+class RunningMean(torch.nn.Module):
+    """Each token's embedding averaged with every token before it: a cumsum over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).cumsum(dim=1)
+        return x / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)
+
+
+@pytest.mark.parametrize(("family", "attention"), [("gpt2", "ring"), ("llama", "all_to_all")])
+def test_attention_written_out_is_folded_and_split(ranks, family, attention) -> None:
+    """Hugging Face's eager attention (q @ k^T, scale, + mask, softmax, dropout, @ v) folds into one SDPA node,
+    which cp splits as it splits the model's own: equal to the eager model on one device."""
+    results = run_cp(ranks, family, {"dp": 2, "cp": 2}, {"cp_attention": attention}, 32, attention="eager")
+    del results
+
+
 def test_cp_refuses_what_it_cannot_split() -> None:
-    """One clear error before any rank works: a sequence that does not split into 2 x cp chunks, attention written
-    out as matmul -> softmax -> matmul, attention dropout, and cp with tp."""
+    """One clear error before any rank works: a sequence that does not split into 2 x cp chunks, an op that mixes
+    tokens (a cumsum over the sequence, named), attention dropout under the ring, heads all-to-all cannot split,
+    and cp with tp."""
     with pytest.raises(InputError, match="multiple of 8"):
         compile_case(build_case("gpt2", steps=1, seq=12), autoshard.Mesh(cp=4), plan={})
-    with pytest.raises(PlanError, match=r"mixes tokens outside attention.*attn_implementation='sdpa'"):
-        compile_case(build_case("gpt2", steps=1, seq=16, attention="eager"), autoshard.Mesh(cp=2), plan={})
+    with pytest.raises(PlanError, match=r"cumsum \(aten.cumsum.default\) in \(top\) needs .* mixes tokens"):
+        ids = torch.randint(0, 64, (2, 16))
+        autoshard.compile(RunningMean(), autoshard.Mesh(cp=2), (ids,), loss_fn=lambda out, t: out.mean(),
+                          example_target=ids, plan={})  # fmt: skip
     with pytest.raises(PlanError, match="attention with dropout"):
         compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), {"cp_attention": "ring"})
     dropout = compile_case(build_case("llama", steps=1, seq=16, dropout=0.1), autoshard.Mesh(cp=2), plan={})
