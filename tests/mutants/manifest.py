@@ -967,4 +967,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_context_parallel.py"],
         "k": "mesh_puts or llama-cp4 or dp2-cp2",
     },
+    {
+        "name": "131_eager_attention_folded_without_its_mask",
+        "file": "passes/eager_attention.py",
+        "why": "attention written out is folded into SDPA without the masks the chain added",
+        "tests": ["tests/test_context_parallel.py"],
+        "k": "folded",
+    },
 ]
