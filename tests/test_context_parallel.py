@@ -34,7 +34,7 @@ def shape_of(family: str, seq: int | None = None) -> dict:
 
 def run_cp(ranks, family: str, mesh: dict, plan: dict, seq: int | None = None, **extra) -> list[dict]:
     shape = {**shape_of(family, seq), **extra}
-    world = mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1)
+    world = mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
     results = ranks(world).run(train_plan, family, mesh, plan, **shape)
     ref_losses, ref_state = reference(family, max_grad_norm=plan.get("max_grad_norm"), **shape)
     for result in results:
@@ -87,6 +87,7 @@ def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
         ("gpt2", {"dp": 2, "cp": 2}, {"zero": 2, "microbatches": 2, "max_grad_norm": 0.5}, 64),
         ("llama", {"cp": 2, "pp": 2}, {"microbatches": 4, "zero": 1, "schedule": "zb_h1"}, 64),
         ("llama", {"dp": 2, "cp": 2}, {"cp_attention": "all_to_all", "zero": 3}, 64),
+        ("gpt2", {"cp": 2, "tp": 2}, {"cp_attention": "ring", "sequence_parallel": True}, 64),
     ],
     ids=[
         "gpt2-cp2",
@@ -95,13 +96,14 @@ def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
         "gpt2-dp2-cp2-zero2-accumulate-clip",
         "llama-cp2-pp2-zb_h1-zero1",
         "llama-dp2-cp2-all_to_all-zero3",
+        "gpt2-cp2-tp2-sequence_parallel",
     ],
 )
 def test_cp_trains_as_one_device(ranks, family, mesh, plan, seq) -> None:
     """GPT-2 (learned positions), Llama (rotary, GQA) and BERT (bidirectional) at sequences of 64-256: losses and
     consolidated parameters equal single-device training, over cp alone and with dp, ZeRO, recomputation,
-    accumulation, clipping and a zero-bubble pipeline (the grid below runs each family at 256 tokens, and 1024,
-    under -m slow)."""
+    accumulation, clipping, a zero-bubble pipeline and tp with sequence parallelism (the grid below runs each
+    family at 256 tokens, and 1024, under -m slow)."""
     run_cp(ranks, family, mesh, plan, seq)
 
 
@@ -147,7 +149,7 @@ def test_a_mean_over_tokens_read_nonlinearly_is_all_reduced(ranks) -> None:
 CP_GRID = [
     (family, mesh, plan)
     for family in ("gpt2", "llama", "bert")
-    for mesh in ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "pp": 2})
+    for mesh in ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "pp": 2}, {"cp": 2, "tp": 2})
     for plan in (
         {},
         {"zero": 3},
@@ -229,7 +231,7 @@ def test_attention_written_out_is_folded_and_split(ranks, family, attention) -> 
 def test_cp_refuses_what_it_cannot_split() -> None:
     """One clear error before any rank works: a sequence that does not split into 2 x cp chunks, an op that mixes
     tokens (a cumsum over the sequence, named), attention dropout under the ring, heads all-to-all cannot split,
-    and cp with tp."""
+    and cp with ep."""
     with pytest.raises(InputError, match="multiple of 8"):
         compile_case(build_case("gpt2", steps=1, seq=12), autoshard.Mesh(cp=4), plan={})
     with pytest.raises(PlanError, match=r"cumsum \(aten.cumsum.default\) in \(top\) needs .* mixes tokens"):
@@ -242,8 +244,8 @@ def test_cp_refuses_what_it_cannot_split() -> None:
     assert dropout.plan.cp_attention == "all_to_all"  # the planner's choice where the ring cannot draw dropout
     with pytest.raises(PlanError, match="4 heads and 4 K/V heads; use cp_attention='ring'"):
         compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=8), plan={"cp_attention": "all_to_all"})
-    with pytest.raises(PlanError, match="not yet with tp=2"):
-        compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=2, tp=2), plan={})
+    with pytest.raises(PlanError, match="not yet with ep=2"):
+        compile_case(build_case("moe_loop", steps=1, seq=16), autoshard.Mesh(dp=2, cp=2), plan={"ep": 2})
 
 
 def test_the_mesh_puts_cp_between_dp_and_tp() -> None:

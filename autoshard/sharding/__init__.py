@@ -40,12 +40,20 @@ for _family in (pointwise, views, matmul, vocabulary, reductions):
     RULES.update(_family.RULES)
 
 
+_NAMED: dict[str, Rule] = {**matmul.NAMED_RULES, **reductions.NAMED_RULES}
+
+
 def rule_of(op: Any) -> Rule | None:
-    """The rule that decides ``op``: by the op, or by its qualified name for another library's op; None: none."""
+    """The rule that decides ``op``: by the op, or by its qualified name for another library's op (or a graph op
+    of autoshard's, by module and name); None: none."""
     rule = RULES.get(op)
     if rule is None:
         packet = getattr(op, "overloadpacket", None)
-        rule = matmul.NAMED_RULES.get(getattr(packet, "_qualified_op_name", ""))
+        name = (
+            getattr(packet, "_qualified_op_name", "")
+            or f"{getattr(op, '__module__', '')}.{getattr(op, '__name__', '')}"
+        )
+        rule = _NAMED.get(name)
     return rule
 
 

@@ -10,15 +10,16 @@ from torch import fx
 from autoshard.ir.placements import Partial, Shard
 from autoshard.sharding.rule import Decision, P, R, RuleInput, norm_dim, replicate_all, table
 
-__all__ = ["RULES"]
+__all__ = ["NAMED_RULES", "RULES"]
 
 aten = torch.ops.aten
 
 
-def _sdpa(ctx: RuleInput) -> Decision:
-    """scaled_dot_product_attention(q, k, v, mask) on [B, H, S, D]: heads sharded, or batch."""
-    q, k, v = ctx.node.args[:3]
-    mask = ctx.arg(3, "attn_mask")
+def _sdpa(ctx: RuleInput, first: int = 0) -> Decision:
+    """scaled_dot_product_attention(q, k, v, mask) on [B, H, S, D]: heads sharded, or batch. ``first``: where q
+    is among the arguments (context parallelism's ring attention takes its module first)."""
+    q, k, v = ctx.node.args[first : first + 3]
+    mask = ctx.arg(first + 3, "attn_mask")
     placements = [ctx.p(t) for t in (q, k, v)]
     if any(isinstance(p, Shard) and p.dim == 1 for p in placements):
         heads = [ctx.sizes(t)[1] for t in (q, k, v)]
@@ -66,9 +67,16 @@ def _softmax(ctx: RuleInput) -> Decision:
     return replicate_all(ctx)
 
 
+def _ring_attention(ctx: RuleInput) -> Decision:
+    """Ring attention of a rank's tokens: split by heads over tp as SDPA is (each head's ring its own)."""
+    return _sdpa(ctx, first=1)
+
+
 RULES = table(
     (_sdpa, (aten.scaled_dot_product_attention.default,)),
     (_layer_norm, (aten.layer_norm.default,)),
     (_reduce_dims, (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)),
     (_softmax, (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)),
 )
+# Graph ops of autoshard's own passes, by module and name (sharding sits below the graph ops it rules on).
+NAMED_RULES = {"autoshard.graph_ops.ring_attention.ring_attention": _ring_attention}

@@ -23,7 +23,7 @@ aten = torch.ops.aten
 
 # Symbols take these stand-in values when view dimensions are grouped by size (any distinct primes
 # larger than every static size would do: they only decide which products are equal).
-_PROBE = (1000003, 1000033, 1000037, 1000039)
+_PROBE = tuple(p * 2**12 for p in (1000003, 1000033, 1000037, 1000039))  # (x 2^12: S / cp stays whole)
 
 
 def view_groups(a: Sequence[sympy.Expr], b: Sequence[sympy.Expr]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

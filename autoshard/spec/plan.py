@@ -216,12 +216,12 @@ class Plan:
         if self.cp_attention not in CP_ATTENTION:
             raise PlanError(f"plan field cp_attention={self.cp_attention!r} must be one of {CP_ATTENTION}")
         if self.cp > 1:
-            others = {"tp": self.tp, "ep": self.ep}
+            others = {"ep": self.ep}
             if any(v > 1 for v in others.values()):
                 raise PlanError(
-                    f"cp={self.cp} composes with dp, pp and ZeRO in this version, not yet with "
+                    f"cp={self.cp} composes with dp, tp, pp and ZeRO in this version, not yet with "
                     + ", ".join(f"{k}={v}" for k, v in others.items() if v > 1)
-                    + "; use cp with dp and pp (Mesh(dp=.., cp=.., pp=..)), or that dimension without cp"
+                    + "; use cp with dp, tp and pp (Mesh(dp=.., cp=.., tp=.., pp=..)), or that dimension without cp"
                 )
             if self.dropout_masks != "per_rank":
                 raise PlanError(
