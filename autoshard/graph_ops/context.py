@@ -230,26 +230,20 @@ def _heads_to_tokens(cp: UnboundContextParallel, x: torch.Tensor, seq_len: int) 
     return torch.cat(_all_to_all(cp, pieces), dim=-3)
 
 
-class _TokensToHeads(torch.autograd.Function):
+_TRADES = {True: _tokens_to_heads, False: _heads_to_tokens}
+
+
+class _Trade(torch.autograd.Function):
+    """Tokens for heads (``to_heads``) or back; the backward is the other trade."""
+
     @staticmethod
-    def forward(ctx, cp, x, seq_len):  # noqa: ANN001, ANN205 - autograd signature
-        ctx.cp, ctx.seq_len = cp, seq_len
-        return _tokens_to_heads(cp, x, seq_len)
+    def forward(ctx, cp, x, seq_len, to_heads):  # noqa: ANN001, ANN205 - autograd signature
+        ctx.cp, ctx.seq_len, ctx.to_heads = cp, seq_len, to_heads
+        return _TRADES[to_heads](cp, x, seq_len)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
-        return None, _heads_to_tokens(ctx.cp, grad.contiguous(), ctx.seq_len), None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, cp, x, seq_len):  # noqa: ANN001, ANN205 - autograd signature
-        ctx.cp, ctx.seq_len = cp, seq_len
-        return _heads_to_tokens(cp, x, seq_len)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
-        return None, _tokens_to_heads(ctx.cp, grad.contiguous(), ctx.seq_len), None
+        return None, _TRADES[not ctx.to_heads](ctx.cp, grad.contiguous(), ctx.seq_len), None, None
 
 
 @stays_eager  # all-to-alls around the attention, between the compiled parts
@@ -270,7 +264,7 @@ def all_to_all_attention(
     heads / cp of the heads over every token, the attention runs as on one device (its own kernel, the model's
     mask whole), and a second all-to-all gives the tokens back. Heads (and K/V heads) divide by cp."""
     seq_len = int(seq_len)
-    qh, kh, vh = (_TokensToHeads.apply(cp, t, seq_len) for t in (q, k, v))
+    qh, kh, vh = (_Trade.apply(cp, t, seq_len, True) for t in (q, k, v))
     mask = attn_mask
     if mask is not None and mask.dim() >= 3 and mask.shape[-3] == q.shape[-3]:  # a mask per head: mine
         heads = q.shape[-3] // cp.degree
@@ -279,4 +273,4 @@ def all_to_all_attention(
         qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa or kh.shape[-3] != qh.shape[-3],
     )  # fmt: skip
-    return _HeadsToTokens.apply(cp, out, seq_len)
+    return _Trade.apply(cp, out, seq_len, False)
