@@ -230,8 +230,8 @@ def test_attention_written_out_is_folded_and_split(ranks, family, attention) -> 
 
 def test_cp_refuses_what_it_cannot_split() -> None:
     """One clear error before any rank works: a sequence that does not split into 2 x cp chunks, an op that mixes
-    tokens (a cumsum over the sequence, named), attention dropout under the ring, heads all-to-all cannot split,
-    and cp with ep."""
+    tokens (a cumsum over the sequence, named), a mixture of experts' router (no per-token rules for it yet),
+    attention dropout under the ring, heads all-to-all cannot split, and cp with ep."""
     with pytest.raises(InputError, match="multiple of 8"):
         compile_case(build_case("gpt2", steps=1, seq=12), autoshard.Mesh(cp=4), plan={})
     with pytest.raises(PlanError, match=r"cumsum \(aten.cumsum.default\) in \(top\) needs .* mixes tokens"):
@@ -244,6 +244,8 @@ def test_cp_refuses_what_it_cannot_split() -> None:
     assert dropout.plan.cp_attention == "all_to_all"  # the planner's choice where the ring cannot draw dropout
     with pytest.raises(PlanError, match="4 heads and 4 K/V heads; use cp_attention='ring'"):
         compile_case(build_case("gpt2", steps=1, seq=16), autoshard.Mesh(cp=8), plan={"cp_attention": "all_to_all"})
+    with pytest.raises(PlanError, match=r"topk \(aten.topk.default\) in model.layers.0 .* experts' router"):
+        compile_case(build_case("mixtral_aux", steps=1, seq=16), autoshard.Mesh(dp=2, cp=2), plan={})
     with pytest.raises(PlanError, match="not yet with ep=2"):
         compile_case(build_case("moe_loop", steps=1, seq=16), autoshard.Mesh(dp=2, cp=2), plan={"ep": 2})
 

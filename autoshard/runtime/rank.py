@@ -114,9 +114,11 @@ class RankRuntime:
         tp_group = make_group(mesh, self.rank, "tp", *groups) if distributed and plan.tp > 1 else None
         self.pp_group = make_group(mesh, self.rank, "pp", *groups) if distributed and plan.pp > 1 else None
         self.cp: ContextParallel | None = None
+        self.rows_group = self.dp_group  # the ranks holding other rows (statistics of the batch are over them)
         if distributed and plan.cp > 1:
             cp_group = make_group(mesh, self.rank, "cp", *groups)
             self.cp = ContextParallel(plan.cp, coords["cp"], mesh.group("cp", self.rank), cp_group, comm)
+            self.rows_group = make_group(mesh, self.rank, "dp", *groups)
         self.ep: ExpertParallel | None = None
         self.expert_comm: CommCounter | None = None  # over the ranks that hold the same experts
         if distributed and plan.ep > 1:
@@ -196,9 +198,9 @@ class RankRuntime:
             gm.add_submodule(EP_ATTR, self.ep)
         if self.cp is not None:
             gm.add_submodule(CP_ATTR, self.cp)
-        if hasattr(gm, STATS_ATTR) and self.dp_group is not None:  # statistics over the global batch
-            funcol.register_counter(self.dp_group.group_name, self.comm)
-            gm.add_submodule(STATS_ATTR, BatchStatistics(self.replicas, self.dp_group.group_name))
+        if hasattr(gm, STATS_ATTR) and self.rows_group is not None:  # statistics over the global batch
+            funcol.register_counter(self.rows_group.group_name, self.comm)
+            gm.add_submodule(STATS_ATTR, BatchStatistics(self.plan.dp, self.rows_group.group_name))
 
     def _make_masks(self) -> SingleDeviceMasks:
         # Every rank follows rank 0's generator state at compile: what one device would draw from.

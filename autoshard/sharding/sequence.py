@@ -139,9 +139,9 @@ class Propagation:
         raise PlanError(
             f"context parallelism: {node.name} ({node.target}) in {layer} needs {source.name} over the whole "
             f"sequence, which cp={self.degree} splits over its ranks ({source.name} is {src} along cp): the op mixes "
-            f"tokens outside attention (a cumsum, a convolution over time, a pooled token, or attention written "
-            f"out as matmul -> softmax -> matmul instead of scaled_dot_product_attention); run the model's "
-            f"attention as SDPA (attn_implementation='sdpa'), or train it with cp=1"
+            f"tokens outside attention (a cumsum, a convolution over time, a pooled token, attention weights read "
+            f"outside the attention), or has no sharding rule that keeps each token's rows apart (a mixture of "
+            f"experts' router); train this model with cp=1"
         )
 
     def _embedding(self, node: fx.Node) -> object:
