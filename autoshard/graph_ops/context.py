@@ -8,7 +8,6 @@ A rank holds two chunks of every sequence, chunk i and chunk 2N-1-i of 2N (N = c
 the early chunk attends to little and the late one to much, so every rank does the same attention work
 (the head-tail balancing of torch's context_parallel and Megatron-core).
 
-    positions       the global positions of this rank's tokens, in the order it holds them
     local_tokens    a value every rank holds whole -> this rank's tokens of it (backward: scatter back)
     all_reduce      a sum of the ranks' partial values (a sum over the sequence); backward x cp (below)
     replica_mean    the loss a rank reports: its partial times cp, so the mean over dp x cp ranks that
@@ -49,7 +48,6 @@ __all__ = [
     "chunk_positions",
     "cross_entropy",
     "local_tokens",
-    "positions",
     "replica_mean",
     "ring_attention",
     "all_to_all_attention",
@@ -135,11 +133,6 @@ class ContextParallel(UnboundContextParallel):
             out.append(flat[at : at + n].view(shape).to(dtype))
             at += n
         return out
-
-
-def positions(cp: UnboundContextParallel, seq_len: int, device: torch.device) -> torch.Tensor:
-    """This rank's global positions of a sequence of ``seq_len`` tokens (the graph reads it once a size)."""
-    return cp.positions(int(seq_len), device)
 
 
 @stays_eager  # reads the rank's positions, kept outside the graph
