@@ -20,7 +20,7 @@ def ring_against_sdpa(
     rank draws the same q, k, v, mask and output gradient); the largest differences. ``fused=False``: the
     blocks as other devices than the CPU compute them (the formulas written out). ``attention="all_to_all"``:
     the sequence traded for heads instead of the ring."""
-    cp = context.ContextParallel(world_size, rank, list(range(world_size)), dist.group.WORLD, CommCounter())
+    cp = context.ContextParallel(world_size, rank, dist.group.WORLD, CommCounter())
     kernel = ring_attention._fused
     if not fused:
         ring_attention._fused = lambda q: False

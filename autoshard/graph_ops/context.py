@@ -88,16 +88,14 @@ class Pending:
 
 
 class ContextParallel(UnboundContextParallel):
-    """A rank's place in its cp group: its index, the ring's neighbours, the group (and its name)."""
+    """A rank's place in its cp group: its index in the group, the group (and its name)."""
 
-    def __init__(self, degree: int, rank: int, ranks: list[int], group: dist.ProcessGroup, comm: Any) -> None:
+    def __init__(self, degree: int, rank: int, group: dist.ProcessGroup, comm: Any) -> None:
         super().__init__(degree)
         self.rank = rank
-        self.next_rank = ranks[(rank + 1) % degree]  # global ranks of the ring's neighbours
-        self.prev_rank = ranks[(rank - 1) % degree]
         self.group = group
         self.comm = comm
-        self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._positions: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         funcol.register_counter(group.group_name, comm)
 
     @property

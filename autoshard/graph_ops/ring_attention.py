@@ -143,7 +143,7 @@ def _merge(out, lse, part_out, part_lse, rows, hidden_rows):  # noqa: ANN001, AN
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, q, k, v, mask, causal, scale, seq_len):  # noqa: ANN001, ANN205 - autograd signature
-        degree, heads = cp.degree, q.shape[-3]
+        degree = cp.degree
         acc = _accumulate(q)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=acc)
@@ -153,10 +153,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(degree):
             if step + 1 < degree:  # the next block travels while this one is computed
                 pending = cp.exchange(list(block))
-            src = (cp.rank - step) % degree
-            columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
-            kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
-            for r, c, local_causal in _calls(columns, causal, cp.rank, src, q.shape[-2]):
+            columns, kb, vb, calls = _step(cp, step, block, bias, causal, q_pos, seq_len, q.shape)
+            for r, c, local_causal in calls:
                 part_out, part_lse = _block_forward(
                     q[..., r, :], kb[..., c, :], vb[..., c, :], _rows(columns, r, c), local_causal, scale
                 )
@@ -189,10 +187,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(degree):
             if step + 1 < degree:
                 pending_kv = cp.exchange(list(kv))
-            src = (cp.rank - step) % degree
-            columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q.device, src))
-            kb, vb = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
-            calls = _calls(columns, causal, cp.rank, src, q.shape[-2])
+            columns, kb, vb, calls = _step(cp, step, kv, bias, causal, q_pos, seq_len, q.shape)
             grad_k = grad_v = None
             for r, c, local_causal in calls:
                 dq, dk, dv = _block_backward(
@@ -223,6 +218,16 @@ class _RingAttention(torch.autograd.Function):
         arrived = cp.wait(pending_grads)
         grad_k, grad_v = arrived[0].to(k.dtype), arrived[1].to(v.dtype)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _step(cp, step, block, bias, causal, q_pos, seq_len, q_shape):  # noqa: ANN001, ANN202
+    """What one step of the ring attends to, forward and backward alike: the block's bias, its keys and values
+    with as many heads as the queries, and the kernel calls the mask leaves."""
+    src = (cp.rank - step) % cp.degree  # whose block this rank holds at this step
+    columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q_pos.device, src))
+    heads = q_shape[-3]
+    kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
+    return columns, kb, vb, _calls(columns, causal, cp.rank, src, q_shape[-2])
 
 
 def _block_bias(bias, causal, q_pos, k_pos):  # noqa: ANN001, ANN202

@@ -117,7 +117,7 @@ class RankRuntime:
         self.rows_group = self.dp_group  # the ranks holding other rows (statistics of the batch are over them)
         if distributed and plan.cp > 1:
             cp_group = make_group(mesh, self.rank, "cp", *groups)
-            self.cp = ContextParallel(plan.cp, coords["cp"], mesh.group("cp", self.rank), cp_group, comm)
+            self.cp = ContextParallel(plan.cp, coords["cp"], cp_group, comm)
             self.rows_group = make_group(mesh, self.rank, "dp", *groups)
         self.ep: ExpertParallel | None = None
         self.expert_comm: CommCounter | None = None  # over the ranks that hold the same experts
