@@ -7,7 +7,9 @@ Backward produces a parameter's gradient once it has passed the parameter's firs
 so gradients become ready in reverse order of first use. Buckets fill in that order up to
 ``bucket_bytes``; a bucket holds one dtype and one ``partition`` key (the compiler's: the pipeline
 stages that read a parameter and the user's optimizer group, so that a bucket's flat shard belongs
-to one group and one set of ranks). Buckets are numbered in the order they complete, which is the
+to one group and one set of ranks). The first bucket of each key to fill may be smaller (``first_bucket_bytes``;
+the plan's is DDP's 1 MiB): its all-reduce starts early in backward instead of waiting for a whole bucket's
+worth of gradients, which on a small model is all of them. Buckets are numbered in the order they complete, which is the
 order the runtime launches them in on every rank (DDP's overlap). A parameter reached through
 several get_attr nodes (tied weights) has one slot.
 """
@@ -50,12 +52,20 @@ def assign_slots(uses: dict[int, list[fx.Node]], groups: list[list[int]], key: s
             offset += numel
 
 
-def run(gm: fx.GraphModule, bucket_bytes: int, partition: Mapping[str, Hashable] | None = None) -> PassResult:
-    """``partition``: get_attr target -> a key that no bucket mixes (None: one key for all)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+def run(
+    gm: fx.GraphModule,
+    bucket_bytes: int,
+    partition: Mapping[str, Hashable] | None = None,
+    first_bucket_bytes: int | None = None,
+) -> PassResult:
+    """``partition``: get_attr target -> a key that no bucket mixes (None: one key for all); ``first_bucket_bytes``:
+    the cap of each key's first bucket (None: ``bucket_bytes``)."""
+    first_bucket_bytes = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError(f"bucket sizes must be positive, got {bucket_bytes} and first {first_bucket_bytes}")
     uses = trainable_uses(gm)
     open_buckets: dict[tuple, list[int]] = {}  # (partition key, dtype) -> params of the bucket being filled
+    started: set[tuple] = set()  # the keys whose first bucket has closed
     closed: list[list[int]] = []
     sizes: dict[int, int] = {}
     for key in reversed(list(uses)):  # the order gradients become ready in
@@ -63,8 +73,10 @@ def run(gm: fx.GraphModule, bucket_bytes: int, partition: Mapping[str, Hashable]
         sizes[key] = int(tensor.nbytes)
         kind = ((partition or {}).get(uses[key][0].target), tensor.dtype)
         bucket = open_buckets.setdefault(kind, [])
-        if bucket and sum(sizes[k] for k in bucket) + sizes[key] > bucket_bytes:
+        cap = bucket_bytes if kind in started else min(bucket_bytes, first_bucket_bytes)
+        if bucket and sum(sizes[k] for k in bucket) + sizes[key] > cap:
             closed.append(bucket)
+            started.add(kind)
             bucket = open_buckets[kind] = []
         bucket.append(key)
     closed += [b for b in open_buckets.values() if b]

@@ -139,13 +139,16 @@ def test_tied_weights_share_one_gradient_slot() -> None:
 @given(
     widths=st.lists(st.integers(1, 48), min_size=2, max_size=6),
     bucket_bytes=st.integers(4, 20_000),
+    first_bucket_bytes=st.integers(4, 20_000),
 )
-def test_buckets_partition_parameters_in_reverse_use_order(widths: list[int], bucket_bytes: int) -> None:
+def test_buckets_partition_parameters_in_reverse_use_order(
+    widths: list[int], bucket_bytes: int, first_bucket_bytes: int
+) -> None:
     model = build_model("mlp", sizes=tuple(widths))
     x = torch.randn(4, widths[0])
     captured = capture(model, (x,), None, lambda out, t: (out - t).pow(2).mean(), torch.randn(4, widths[-1]))
     passes.analyze(captured.gm, captured.rename)
-    passes.run_pass(passes.grad_buckets.PASS, captured.gm, bucket_bytes)
+    passes.run_pass(passes.grad_buckets.PASS, captured.gm, bucket_bytes, None, first_bucket_bytes)
     slots = _bucket_slots(captured.gm)
     assert len(slots) == len(list(model.parameters()))
     by_bucket: dict[int, list] = {}
@@ -158,7 +161,8 @@ def test_buckets_partition_parameters_in_reverse_use_order(widths: list[int], bu
         for slot in bucket_slots:  # contiguous, non-overlapping
             assert slot.offset == offset
             offset += slot.numel
-        assert offset * 4 <= bucket_bytes or len(bucket_slots) == 1
+        cap = min(bucket_bytes, first_bucket_bytes) if bucket_slots[0].group == 0 else bucket_bytes
+        assert offset * 4 <= cap or len(bucket_slots) == 1  # bucket 0 fills first: DDP's smaller first bucket
     # Later layers' parameters are reduced first: bucket index never increases with depth.
     layer_buckets = [[slots[id(p)][1].group for p in layer.parameters()] for layer in model.layers]
     for shallow, deep in zip(layer_buckets, layer_buckets[1:]):

@@ -123,7 +123,7 @@ def _flat_groups(b: Build, gm: fx.GraphModule) -> PassResult:
     groups = partition(gm, b.stages_of, b.opt_groups, b.experts.targets)
     if b.plan.zero == 3:
         return run_pass(passes.zero_groups.PASS, gm, groups)
-    return run_pass(passes.grad_buckets.PASS, gm, b.plan.bucket_bytes, groups)
+    return run_pass(passes.grad_buckets.PASS, gm, b.plan.bucket_bytes, groups, b.plan.first_bucket_bytes)
 
 
 def _pipeline_stages(b: Build, gm: fx.GraphModule) -> PassResult:

@@ -269,7 +269,8 @@ class Costing:
         span = replicas * plan.tp
         # One collective per flat group, each paying its latency: ZeRO-3's groups are layers, the others' buckets.
         groups = max(sum(s.groups for s in group) for group in per_rank)
-        calls = max(1, groups if plan.zero == 3 else math.ceil(grad_bytes / plan.bucket_bytes))
+        later = max(0.0, grad_bytes - plan.first_bucket_bytes)  # the buckets after the smaller first one
+        calls = max(1, groups if plan.zero == 3 else 1 + math.ceil(later / plan.bucket_bytes))
 
         # Experts are data parallel over the dp / ep ranks holding them: their share of the bytes goes there.
         experts = max(sum(s.expert_elements for s in group) for group in per_rank) / max(1, elements)

@@ -87,7 +87,7 @@ class Plan:
                       gradient synchronization)
     virtual_stages    stages per pipeline rank (interleaved 1F1B); the model is cut into pp * virtual_stages
     pp_cuts           names of the blocks (or graph nodes) that start stages 1.. (("transformer.h.6",)); None: balanced
-    bucket_mb         size of a data-parallel gradient bucket in MiB
+    bucket_mb         size of a data-parallel gradient bucket in MiB (the first to fill: at most 1 MiB)
     max_grad_norm     clip gradients to this global L2 norm before the optimizer step (None: no clipping)
     param_dtype       compute dtype of parameters (e.g. torch.bfloat16); fp32 masters stay in the optimizer
                       shards (needs zero >= 1). The model is converted in place. None: the model's dtype.
@@ -249,6 +249,12 @@ class Plan:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """The first gradient bucket to fill is smaller, so its reduction starts early in backward (DDP's 1 MiB,
+        ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+        return min(self.bucket_bytes, 2**20)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
