@@ -186,8 +186,10 @@ def _nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class ReplicatedHolder(Holder):
     """Data parallel: every dp rank holds every parameter; gradient buckets all-reduced while backward runs.
 
-    Every ``.grad`` is a view into its bucket, so autograd accumulates straight into the buffer; a
-    complete bucket is divided by dp and all-reduced asynchronously (DDP's overlap).
+    A step's first gradient of a parameter is copied into its view of the bucket, and ``.grad`` becomes
+    that view, so later microbatches accumulate straight into the buffer (DDP's gradient_as_bucket_view);
+    the buckets are not zeroed each step, only the slots no gradient reached before their bucket is
+    reduced. A complete bucket is divided by dp and all-reduced asynchronously (DDP's overlap).
     """
 
     name = "data parallel (bucketed all-reduce)"
@@ -197,6 +199,11 @@ class ReplicatedHolder(Holder):
         layouts, order = self.layouts, self.order
         self.buffers = {g: torch.zeros(lay.padded, dtype=lay.dtype, device=lay.device) for g, lay in layouts.items()}
         self.views = {g: layouts[g].views(self.buffers[g]) for g in order}
+        self.view_of = {id(p): v for g in order for p, v in zip(layouts[g].params, self.views[g])}
+        self.filled: set[int] = set()  # parameters whose view holds this step's gradient
+        for g in order:  # registered before the launcher's hooks: a gradient is in its bucket when it counts
+            for param in layouts[g].params:
+                param.register_post_accumulate_grad_hook(weak_grad_hook(self._into_bucket))
         self.works: dict[int, Any] = {}
         self.launcher = InOrderLauncher(order, {g: layouts[g].params for g in order}, self._launch)
         self.in_graph: set[int] = set()  # buckets a compiled backward graph reduces itself (runtime/compiled.py)
@@ -205,20 +212,32 @@ class ReplicatedHolder(Holder):
         for g in self.order:
             if g in self.in_graph:  # the backward graph returns its gradients as views of the reduced bucket
                 self.buffers[g] = self.buffers[g].new_empty(0)
-                for param in self.layouts[g].params:
-                    param.grad = None
-                continue
-            self.buffers[g].zero_()
-            for param, view in zip(self.layouts[g].params, self.views[g]):
-                param.grad = view
+            for param in self.layouts[g].params:
+                param.grad = None
+        self.filled = set()
         self.works = {}
         self.launcher.reset(self.order if armed else ())
+
+    def _into_bucket(self, param: torch.Tensor) -> None:
+        view = self.view_of[id(param)]
+        if param.grad is None or param.grad is view or self.launcher.group_of[id(param)] in self.in_graph:
+            return  # held back for a zero-bubble W, accumulating in place, or a compiled backward's bucket
+        view.copy_(param.grad)
+        param.grad = view
+        self.filled.add(id(param))
+
+    def _zero_unfilled(self, g: int) -> None:
+        """Slots no gradient reached this step hold an earlier step's: zeros go into the reduction."""
+        for param in self.layouts[g].params:
+            if id(param) not in self.filled:
+                self.view_of[id(param)].zero_()
 
     def arm(self, stage: int) -> None:
         self.launcher.arm(self.groups_of(stage))
 
     def _launch(self, g: int) -> None:
         if self.dp > 1 and g not in self.in_graph:
+            self._zero_unfilled(g)
             wire = self.wire(self.buffers[g]).div_(self.dp)
             if self.layouts[g].dp > 1:  # an expert group held by one rank is only divided
                 self.works[g] = (self.comm_of(g).all_reduce(wire, async_op=True), wire)
@@ -241,6 +260,7 @@ class ReplicatedHolder(Holder):
         return [p.grad for p in self.params() if p.grad is not None and select(p)]
 
     def group_grad(self, gid: int) -> torch.Tensor:
+        self._zero_unfilled(gid)
         for param, view in zip(self.layouts[gid].params, self.views[gid]):
             param.grad = view  # summed with other ranks' copies: a gradient even where none arrived here
         return self.buffers[gid]
