@@ -23,7 +23,7 @@ _groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (de
 atexit.register(_groups.clear)
 
 
-def shared_group(ranks: Iterable[int], timeout: timedelta) -> dist.ProcessGroup:
+def shared_group(ranks: Iterable[int], timeout: timedelta, purpose: str = "") -> dist.ProcessGroup:
     """The process group over ``ranks``, one per process for each ranks and timeout: every program of the
     process reuses it. Each group holds its own connections and creating one gets slower as groups pile
     up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
@@ -32,7 +32,7 @@ def shared_group(ranks: Iterable[int], timeout: timedelta) -> dist.ProcessGroup:
     world = dist.group.WORLD
     for stale in [k for k, (w, _) in _groups.items() if w is not world]:
         del _groups[stale]  # groups of a destroyed default group
-    key = (tuple(ranks), timeout)
+    key = (tuple(ranks), timeout, purpose)
     made = _groups.get(key)
     if made is None:
         made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
@@ -61,7 +61,9 @@ def expert_groups(
     mine: list[Any] = [None, None]
     for kind in (0, 1):
         for ranks in dict.fromkeys(tuple(mesh.expert_groups(r, ep)[kind]) for r in range(mesh.size)):
-            group = shared_group(ranks, timeout)
+            # Its own communicator: the blocking token exchanges do not queue behind the gradients' asynchronous
+            # all-reduces that backward launches on the dp group (DDP's buckets), nor they behind these.
+            group = shared_group(ranks, timeout, purpose="ep" if kind == 0 else "")
             if rank in ranks:
                 mine[kind] = group
     return mine[0], mine[1]
