@@ -14,6 +14,7 @@ no other rank holds the same experts). And autoshard's ep=4 against its own ep=1
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -183,10 +184,11 @@ def _rank(rank: int, world_size: int, cfg: dict[str, int], steps: int, rounds: i
         for ids in data:
             fn(ids)
     timings: dict[str, list[float]] = {name: [] for name in systems}
-    names = list(systems)
-    for round_ in range(rounds):  # alternating, each round starting at another system, so drift hits all alike
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+    # Every order of the systems in turn, so that drift hits all alike and each system follows each other one
+    # equally often (a system run right after ep=1's larger working set starts on colder caches).
+    orders = list(itertools.permutations(systems))
+    for round_ in range(rounds):
+        for name in orders[round_ % len(orders)]:
             dist.barrier()
             start = time.perf_counter()
             for ids in data:
@@ -199,7 +201,7 @@ def _rank(rank: int, world_size: int, cfg: dict[str, int], steps: int, rounds: i
     return {"timings": timings, "memory": memory, "losses": losses}
 
 
-def bench_experts(report: Callable[..., None], ranks: int = 4, steps: int = 3, rounds: int = 8) -> None:
+def bench_experts(report: Callable[..., None], ranks: int = 4, steps: int = 3, rounds: int = 12) -> None:
     cfg = MOE
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank, cfg, steps, rounds)
