@@ -974,4 +974,19 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_context_parallel.py"],
         "k": "folded",
     },
+    {
+        "name": "132_first_bucket_as_large_as_the_others",
+        "file": "passes/grad_buckets.py",
+        "why": "the first gradient bucket fills to bucket_mb, so its all-reduce waits for a whole bucket of gradients",
+        "tests": ["tests/test_passes.py"],
+        "k": "buckets_partition",
+    },
+    {
+        "name": "133_later_microbatches_accumulate_outside_the_bucket",
+        "file": "autoshard/runtime/holders.py",
+        "why": "a first gradient is copied into its bucket but .grad stays the fresh tensor, so the next "
+        "microbatches add to it and the bucket reduces the first microbatch's alone",
+        "tests": ["tests/test_recompute.py"],
+        "k": "accumulation_syncs_once and dp4",
+    },
 ]
