@@ -61,8 +61,8 @@ def expert_groups(
     mine: list[Any] = [None, None]
     for kind in (0, 1):
         for ranks in dict.fromkeys(tuple(mesh.expert_groups(r, ep)[kind]) for r in range(mesh.size)):
-            # Its own communicator: the blocking token exchanges do not queue behind the gradients' asynchronous
-            # all-reduces that backward launches on the dp group (DDP's buckets), nor they behind these.
+            # A communicator of its own: the token exchanges, which block, do not wait in line behind the gradient
+            # all-reduces that backward launches asynchronously on the dp group (a communicator runs in order).
             group = shared_group(ranks, timeout, purpose="ep" if kind == 0 else "")
             if rank in ranks:
                 mine[kind] = group

@@ -227,7 +227,8 @@ class ReplicatedHolder(Holder):
         self.filled.add(id(param))
 
     def _zero_unfilled(self, g: int) -> None:
-        """Slots no gradient reached this step hold an earlier step's: zeros go into the reduction."""
+        """Slots no gradient reached this step (a parameter frozen since) hold an earlier step's: zeros go into the
+        reduction, so a summed group (tied weights) reads none of it."""
         for param in self.layouts[g].params:
             if id(param) not in self.filled:
                 self.view_of[id(param)].zero_()
