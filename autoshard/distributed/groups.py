@@ -23,7 +23,7 @@ _groups: dict[tuple[tuple[int, ...], timedelta], tuple[Any, Any]] = {}  # -> (de
 atexit.register(_groups.clear)
 
 
-def shared_group(ranks: Iterable[int], timeout: timedelta, purpose: str = "") -> dist.ProcessGroup:
+def shared_group(ranks: Iterable[int], timeout: timedelta) -> dist.ProcessGroup:
     """The process group over ``ranks``, one per process for each ranks and timeout: every program of the
     process reuses it. Each group holds its own connections and creating one gets slower as groups pile
     up, so a process that compiles many programs (a notebook, a sweep, a test session) would leak them.
@@ -32,7 +32,7 @@ def shared_group(ranks: Iterable[int], timeout: timedelta, purpose: str = "") ->
     world = dist.group.WORLD
     for stale in [k for k, (w, _) in _groups.items() if w is not world]:
         del _groups[stale]  # groups of a destroyed default group
-    key = (tuple(ranks), timeout, purpose)
+    key = (tuple(ranks), timeout)
     made = _groups.get(key)
     if made is None:
         made = _groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
@@ -61,9 +61,7 @@ def expert_groups(
     mine: list[Any] = [None, None]
     for kind in (0, 1):
         for ranks in dict.fromkeys(tuple(mesh.expert_groups(r, ep)[kind]) for r in range(mesh.size)):
-            # A communicator of its own: the token exchanges, which block, do not wait in line behind the gradient
-            # all-reduces that backward launches asynchronously on the dp group (a communicator runs in order).
-            group = shared_group(ranks, timeout, purpose="ep" if kind == 0 else "")
+            group = shared_group(ranks, timeout)
             if rank in ranks:
                 mine[kind] = group
     return mine[0], mine[1]
