@@ -20,6 +20,8 @@ CONFIGS = {
     "pp2-gpipe": ({"pp": 2}, {"schedule": "gpipe", "microbatches": 4}, 2),
     "pp2-1f1b": ({"pp": 2}, {"schedule": "1f1b", "microbatches": 4}, 2),
     "pp2-interleaved": ({"pp": 2}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}, 4),
+    # 5 blocks over 2 x 2 virtual stages: stages of unequal block counts
+    "pp2-interleaved-uneven": ({"pp": 2}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}, 5),
     "pp4-gpipe": ({"pp": 4}, {"schedule": "gpipe", "microbatches": 4}, 4),
     "pp4-1f1b": ({"pp": 4}, {"schedule": "1f1b", "microbatches": 8}, 4),
     "pp4-interleaved": ({"pp": 4}, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}, 8),
@@ -51,7 +53,11 @@ def test_pipeline_matches_single_device(ranks, family: str, config: str) -> None
     check_pipeline(ranks, family, config)
 
 
-# The grid above (21 runs, about 4 minutes here) runs with -m slow; every run draws four of its points.
+def test_interleaving_over_blocks_that_do_not_divide_evenly(ranks) -> None:
+    check_pipeline(ranks, "llama", "pp2-interleaved-uneven")
+
+
+# The grid above (36 runs) runs with -m slow; every run draws four of its points.
 @settings(max_examples=4)
 @given(family=st.sampled_from(PIPELINE_FAMILIES), config=st.sampled_from(list(CONFIGS)))
 def test_pipeline_matches_single_device_sample(ranks, family: str, config: str) -> None:

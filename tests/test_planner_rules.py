@@ -341,3 +341,31 @@ def test_sequence_parallel_sums_its_replicated_weights_gradients_once_a_step(gpt
         summed = Costing(profile, sizes, cpu).candidate(plan).time.tp_comm
         unsummed = Costing(without, sizes, cpu).candidate(plan).time.tp_comm
         assert summed - unsummed == pytest.approx(cpu.collective_seconds("all_reduce", partial, 2) + cpu.sync(2))
+
+
+@pytest.fixture(scope="module")
+def gpt2_5():
+    """GPT-2 with 5 blocks: no even split into 2 x 2 virtual stages."""
+    case = build_case("gpt2", layers=5)
+    batch = case.batches[0]
+    captured = capture(case.model, batch.inputs, batch.kwargs)
+    passes.analyze(captured.gm, captured.rename)
+    cost = summarize(captured.gm)
+    flops = float(evaluate_expr(cost.flops_fwd + cost.flops_bwd, captured.example_sizes))
+    return profile_graph(captured.gm, captured.example_sizes, HW.kernels, flops), captured.example_sizes
+
+
+def test_interleaving_over_blocks_that_do_not_divide_evenly_when_asked(gpt2_5) -> None:
+    asked = choose_plan(2, {"pp": 2, "schedule": "interleaved_1f1b"}, costing(gpt2_5), gpt2_5[1], HW)
+    assert {(c.plan.schedule, c.plan.virtual_stages) for c in asked.candidates} == {("interleaved_1f1b", 2)}
+    # The open search keeps to even splits (its speed on the largest runs) and says so when nothing else is left.
+    open_search = choose_plan(2, {"pp": 2}, costing(gpt2_5), gpt2_5[1], HW)
+    assert all(c.plan.virtual_stages == 1 for c in open_search.candidates)
+
+
+def test_the_stages_at_the_ends_take_fewer_blocks_for_the_embedding_and_the_head(gpt2_5) -> None:
+    plan = Plan(dp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)
+    parts = costing(gpt2_5)._parts_per_stage(plan, 4)
+    blocks = [sum(name.startswith("block") for name in stage) for stage in parts]
+    assert sum(blocks) == 5 and "pre" in parts[0] and "post" in parts[-1]
+    assert blocks[-1] == 1 and max(blocks[1:-1]) == 2  # the head and loss weigh more than a block's share

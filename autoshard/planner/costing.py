@@ -177,10 +177,14 @@ class Costing:
         return parts
 
     def _block_seconds(self, plan: Plan, micro: int) -> list[float]:
-        out = []
-        for kind in self.profile.blocks:
-            t = self._part(kind, plan).times({**self.sizes, "B": micro}, self.hardware, self._dtype(plan))
-            out.append(t.forward + t.backward)
+        """Each block's forward and backward, the embedding's added to the first and the head's and loss's to
+        the last: the end stages take fewer blocks, as passes/pipeline_split balances the whole graph."""
+        sizes, dtype = {**self.sizes, "B": micro}, self._dtype(plan)
+        times = {n: self._part(n, plan).times(sizes, self.hardware, dtype) for n in self.profile.parts}
+        out = [times[kind].forward + times[kind].backward for kind in self.profile.blocks]
+        for end, index in (("pre", 0), ("post", -1)):
+            if out and end in times:
+                out[index] += times[end].forward + times[end].backward
         return out
 
     def _part(self, name: str, plan: Plan) -> PartAtDegree:

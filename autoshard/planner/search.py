@@ -210,10 +210,14 @@ def _pipeline_options(
                 refused[f"virtual_stages={overrides['virtual_stages']} needs interleaved_1f1b (or zbv: 2)"] = None
                 continue
             vs = [1]
+        # Stages of unequal block counts (the ends lighter) where pp x v does not divide the blocks: on a fixed
+        # mesh, or where the user asks for virtual stages; the open search keeps to even splits, for its speed.
+        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in ("interleaved_1f1b", "zbv")
         for v in vs:
-            if v > 1 and not fixed_mesh and costing.blocks % (pp * v):
+            if v > 1 and not asked and costing.blocks % (pp * v):
                 refused[
-                    f"{schedule}: the {costing.blocks} blocks do not divide into pp x virtual_stages = {pp * v} stages"
+                    f"{schedule}: the {costing.blocks} blocks do not divide into pp x virtual_stages = {pp * v} "
+                    "stages (ask for the schedule to plan uneven stages)"
                 ] = None
                 continue
             step = pp if schedule == "interleaved_1f1b" else 1
