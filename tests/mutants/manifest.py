@@ -989,4 +989,19 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_recompute.py"],
         "k": "accumulation_syncs_once and dp4",
     },
+    {
+        "name": "134_stage_split_ignores_the_embedding_and_head",
+        "file": "autoshard/planner/costing.py",
+        "why": "the planner balances pipeline stages over the blocks alone, so the end stages get as many blocks "
+        "as the others on top of the embedding and the head",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "ends_take_fewer_blocks",
+    },
+    {
+        "name": "135_uneven_interleaving_refused_when_asked",
+        "file": "autoshard/planner/search.py",
+        "why": "a user asking for interleaving over blocks that do not divide into pp x virtual_stages is refused",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "divide_evenly_when_asked",
+    },
 ]
