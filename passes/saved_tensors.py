@@ -289,10 +289,11 @@ def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: torch.dtyp
 
 
 def node_saves(
-    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None
+    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None, shards: int = 1
 ) -> dict[fx.Node, list[tuple[Any, sympy.Expr]] | None]:
     """Per call, what it keeps for backward as (key, bytes) pairs, a value's key the same wherever it is kept
-    (its root node, or the op's own tensor); None for an op the meta device cannot run."""
+    (its root node, or the op's own tensor); None for an op the meta device cannot run. ``shards``: a part's
+    inputs arrive as that many sequence shards (``run``)."""
     out: dict[fx.Node, list[tuple[Any, sympy.Expr]] | None] = {}
     dtypes = run_dtypes(gm, device_type, autocast) if autocast is not None else {}
     for node in gm.graph.nodes:
@@ -314,28 +315,31 @@ def node_saves(
             elif isinstance(value, tuple):  # the op's own tensor
                 pairs.append((value, nbytes))
             else:
-                kept = activation(value, part, dtypes)
+                kept = activation(value, part, dtypes, shards)
                 pairs += [kept] if kept is not None else []
         out[node] = pairs
     return out
 
 
-def activation(value: Any, part: bool = False, dtypes: dict[fx.Node, torch.dtype] | None = None) -> tuple | None:
+def activation(
+    value: Any, part: bool = False, dtypes: dict[fx.Node, torch.dtype] | None = None, shards: int = 1
+) -> tuple | None:
     """(key, bytes) of the activation that keeping ``value`` keeps (the value it views), or None (a weight)."""
     root = _root(value, dtypes)
     if not isinstance(root, fx.Node) or not _is_activation(root, part):
         return None
-    return root, _run_nbytes(root, dtypes or {})
+    nbytes = _run_nbytes(root, dtypes or {})
+    return root, nbytes / shards if root.op == "placeholder" else nbytes
 
 
 def _account(
-    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None
+    gm: fx.GraphModule, device_type: str, part: bool = False, autocast: torch.dtype | None = None, shards: int = 1
 ) -> tuple[dict[str, dict[str, sympy.Expr]], list[str]]:
     """Per layer and category, the bytes ``gm``'s nodes keep (each value once, in its first saver's layer)."""
     layers: dict[str, dict[str, sympy.Expr]] = {}
     counted: set[Any] = set()
     unaccounted: list[str] = []
-    for node, saves in node_saves(gm, device_type, part, autocast).items():
+    for node, saves in node_saves(gm, device_type, part, autocast, shards).items():
         if saves is None:
             unaccounted.append(str(node.target))
             node.meta[SAVED] = NodeSaves(POINTWISE, sympy.Integer(0), probed=False)
@@ -354,13 +358,19 @@ def _account(
 
 
 def run(
-    gm: fx.GraphModule, device_type: str = "cpu", part: bool = False, autocast: torch.dtype | None = None
+    gm: fx.GraphModule,
+    device_type: str = "cpu",
+    part: bool = False,
+    autocast: torch.dtype | None = None,
+    shards: int = 1,
 ) -> PassResult:
     """The value: this graph's ActivationMemory. ``device_type``: "cpu" or "cuda" (kernels differ, above).
     ``part``: ``gm`` is a part cut out of a model's graph (the planner's profile): its placeholders that
     need grad are the previous part's activations, kept like any other. ``autocast``: the dtype the graph
-    runs under torch.autocast in (None: as captured)."""
-    layers, unaccounted = _account(gm, device_type, part, autocast)
+    runs under torch.autocast in (None: as captured). ``shards``: with sequence parallelism a part's inputs
+    are the previous part's hidden state handed on in sequence shards (as the program runs it): a rank keeps
+    1/shards of what the part, profiled reading them whole, shows."""
+    layers, unaccounted = _account(gm, device_type, part, autocast, shards)
     transient: sympy.Expr = sympy.Integer(0)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is recompute.region:

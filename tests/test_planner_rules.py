@@ -19,7 +19,7 @@ from autoshard.capture import capture
 from autoshard.demo import next_token_loss
 from autoshard.errors import PlanError
 from autoshard.ir.cost import summarize
-from autoshard.ir.meta import ZERO_GROUP, evaluate_expr
+from autoshard.ir.meta import ZERO_GROUP, evaluate_expr, get_shape
 from autoshard.planner import choose_plan, default_microbatches
 from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing
 from autoshard.planner.hardware import Hardware
@@ -369,3 +369,20 @@ def test_the_stages_at_the_ends_take_fewer_blocks_for_the_embedding_and_the_head
     blocks = [sum(name.startswith("block") for name in stage) for stage in parts]
     assert sum(blocks) == 5 and "pre" in parts[0] and "post" in parts[-1]
     assert blocks[-1] == 1 and max(blocks[1:-1]) == 2  # the head and loss weigh more than a block's share
+
+
+def test_sequence_parallel_blocks_keep_their_sequence_shard_under_full_recomputation() -> None:
+    # Korthikanti et al.: with sequence parallelism a fully recomputed block keeps its input as the rank's
+    # sequence shard, 2sbh/t bytes (the region re-gathers it in backward), as the program runs it.
+    case = build_case("llama")
+    batch = case.batches[0]
+    captured = capture(case.model, batch.inputs, batch.kwargs)
+    passes.analyze(captured.gm, captured.rename)
+    sizes = captured.example_sizes
+    profile = profile_graph(captured.gm, sizes, HW.kernels, 1.0)
+    block = next(name for name in profile.parts if name.startswith("block"))
+    inputs = [n for n in profile.parts[block].graph.nodes if n.op == "placeholder"]
+    hidden = next(n for n in inputs if get_shape(n).requires_grad)  # the hidden state; the others: rotary, mask
+    whole = float(evaluate_expr(get_shape(hidden).nbytes, sizes))
+    for tp, sp, kept in ((2, False, whole), (2, True, whole / 2), (4, True, whole / 4)):
+        assert profile.part(block, tp, sp).at("full", sizes)[0] == pytest.approx(kept), (tp, sp)

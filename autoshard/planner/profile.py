@@ -76,6 +76,7 @@ class PartAtDegree:
     attention_kv_bytes: sympy.Expr = sympy.Integer(0)
     attention_q_bytes: sympy.Expr = sympy.Integer(0)
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
+    sequence_shards: int = 1  # sequence parallel: the hidden state it reads arrives in degree sequence shards
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
     _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -117,7 +118,8 @@ class PartAtDegree:
             else:
                 g = copy.deepcopy(self.graph)
                 passes.run_pass(passes.recompute.PASS, g, choice, self.kernels, self.sizes)
-                memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast).value
+                shards = self.sequence_shards
+                memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast, shards).value
                 self._saved[key] = (memory.kept, memory.transient, part_graph.recomputed(g))
         return self._saved[key]
 
@@ -157,7 +159,7 @@ def _profile_part(
     attrs = {n.target: n for n in g.graph.nodes if n.op == "get_attr" and n.target in owned}
     partial_bytes = sum(int(evaluate_expr(get_shape(attrs[t]).nbytes, {})) for t in partial if t in attrs)
     part = PartAtDegree(works, comms, param_bytes, elements, largest, groups, sharded, boundary, degree, g, kernels,
-                        tied, partial_bytes, sizes=sizes)  # fmt: skip
+                        tied, partial_bytes, sizes=sizes, sequence_shards=degree if sp else 1)  # fmt: skip
     if degree == 1:  # ep works with tp=1
         _experts(part, g, owned)
     part.attention_kv_bytes = _attention_bytes(g, slice(1, 3))
