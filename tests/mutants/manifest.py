@@ -1004,4 +1004,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "divide_evenly_when_asked",
     },
+    {
+        "name": "136_sequence_parallel_inputs_kept_whole",
+        "file": "passes/saved_tensors.py",
+        "why": "the planner counts a sequence-parallel block's kept input whole, t times what a rank keeps",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "sequence_shard",
+    },
 ]
