@@ -31,7 +31,7 @@ MESHES: tuple[tuple[dict[str, int], dict[str, Any]], ...] = (
 GRID = [
     (family, mesh, {**extra, "recompute": choice})
     for family in ("gpt2", "llama", "bert")
-    for choice in ("full", "selective", 0.5)
+    for choice in ("full", "selective", 0.25, 0.5, 0.75)
     for mesh, extra in MESHES
 ]
 
@@ -75,7 +75,7 @@ def test_recompute_matches_single_device_sample(ranks, case: tuple[str, dict[str
 def test_dropout_masks_replay_exactly(ranks, family: str, mesh: dict[str, int], extra: dict[str, Any]) -> None:
     pool = ranks(_world(mesh))
     kept = pool.run(train_plan, family, mesh, extra, dropout=0.1)[0]
-    for choice in ("full", "selective", 0.5):
+    for choice in ("full", "selective", 0.25, 0.5, 0.75):
         recomputed = pool.run(train_plan, family, mesh, {**extra, "recompute": choice}, dropout=0.1)[0]
         assert recomputed["losses"] == kept["losses"], choice
         for key, value in kept["state"].items():
