@@ -386,3 +386,13 @@ def test_sequence_parallel_blocks_keep_their_sequence_shard_under_full_recomputa
     whole = float(evaluate_expr(get_shape(hidden).nbytes, sizes))
     for tp, sp, kept in ((2, False, whole), (2, True, whole / 2), (4, True, whole / 4)):
         assert profile.part(block, tp, sp).at("full", sizes)[0] == pytest.approx(kept), (tp, sp)
+
+
+def test_the_search_tries_recompute_budgets_where_only_full_recomputation_fits(gpt2) -> None:
+    none, full = (costing(gpt2).candidate(Plan(dp=1, recompute=r), False) for r in ("none", "full"))
+    # Room for a quarter of what full recomputation frees: no recomputation does not fit, a budget does.
+    hw = HW.with_(memory_bytes=int(full.memory.total + 0.8 * (none.memory.total - full.memory.total)))
+    report = choose_plan(1, {}, costing(gpt2, hw), gpt2[1], hw)
+    chosen = report.chosen
+    assert isinstance(chosen.plan.recompute, float) and chosen.fits, chosen.plan
+    assert chosen.step_time < costing(gpt2, hw).candidate(Plan(dp=1, recompute="full"), False).step_time

@@ -9,6 +9,7 @@ shape and ZeRO stage, best first.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["choose_plan", "default_microbatches", "factorizations"]
 
 SIMPLER_WITHIN = 0.03  # prefer the simpler of two plans predicted this close (the model is not finer)
+BUDGETS = (0.75, 0.5, 0.25)  # recomputation budgets tried (the share of the activation bytes kept)
 
 
 def default_microbatches(local_rows: int, pp: int, schedule: str | Schedule) -> int:
@@ -210,8 +212,7 @@ def _pipeline_options(
                 refused[f"virtual_stages={overrides['virtual_stages']} needs interleaved_1f1b (or zbv: 2)"] = None
                 continue
             vs = [1]
-        # Stages of unequal block counts (the ends lighter) where pp x v does not divide the blocks: on a fixed
-        # mesh, or where the user asks for virtual stages; the open search keeps to even splits, for its speed.
+        # Unequal stages (the ends lighter) where pp x v does not divide the blocks: asked for, or a fixed mesh.
         asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in ("interleaved_1f1b", "zbv")
         for v in vs:
             if v > 1 and not asked and costing.blocks % (pp * v):
@@ -265,6 +266,7 @@ def choose_plan(
     everything: list[Candidate] = []
     searched = 0
     refused: dict[str, None] = {}
+    kept_all: dict[str, bool] = {}  # a plan without recomputation -> whether it fits
     plans = enumerate_plans(shapes, overrides, costing, rows, fixed_mesh, refused)
     for plan in _in_search_order(plans, fixed_mesh, rows):
         if plan is None:  # a fixed mesh: a level of changes from the defaults had a plan that fits
@@ -273,11 +275,20 @@ def choose_plan(
             continue
         searched += 1
         candidate = costing.candidate(plan, with_timeline=False)
-        if fixed_mesh:
-            everything.append(candidate)
+        everything += [candidate] if fixed_mesh else []
+        if plan.recompute == "none":
+            kept_all[repr(plan)] = candidate.fits
         key = (plan.dp, plan.tp, plan.pp, plan.cp, plan.zero)
         if key not in best or _rank(candidate) < _rank(best[key]):
             best[key] = candidate
+    # A shape's best, fully recomputed as nothing else fits: a budget may fit and repeat less (that plan alone).
+    for key, chosen in list(best.items()):
+        unfit = kept_all.get(repr(dataclasses.replace(chosen.plan, recompute="none"))) is False
+        for budget in BUDGETS if chosen.plan.recompute == "full" and unfit else ():
+            searched += 1
+            candidate = costing.candidate(dataclasses.replace(chosen.plan, recompute=budget), with_timeline=False)
+            everything += [candidate] if fixed_mesh else []
+            best[key] = min(best[key], candidate, key=_rank)
     if not best:
         fixed = {k: v for k, v in overrides.items() if k in ("tp", "pp", "dp", "schedule", "virtual_stages")}
         where = f"on {world_or_mesh}" if fixed_mesh else f"of world size {world_or_mesh}"
