@@ -1011,4 +1011,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "sequence_shard",
     },
+    {
+        "name": "137_search_tries_no_budget",
+        "file": "autoshard/planner/search.py",
+        "why": "the search never tries a recomputation budget, so full recomputation stays where a budget fits",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "tries_recompute_budgets",
+    },
 ]
