@@ -6,6 +6,7 @@ shard moves with its run when the run keeps its outermost dimension.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,13 @@ _PROBE = tuple(p * 2**12 for p in (1000003, 1000033, 1000037, 1000039))  # (x 2^
 
 def view_groups(a: Sequence[sympy.Expr], b: Sequence[sympy.Expr]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Group the dimensions of a view's input ``a`` and output ``b`` into runs of equal products."""
+    return list(_view_groups(tuple(a), tuple(b)))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _view_groups(a: tuple[sympy.Expr, ...], b: tuple[sympy.Expr, ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    # A pure function of the sizes, and a model's blocks repeat the same few views: a large model's placement
+    # evaluated the same sympy substitutions hundreds of thousands of times.
     probe = {}
 
     def value(size: sympy.Expr | int) -> int:
@@ -60,7 +68,7 @@ def view_groups(a: Sequence[sympy.Expr], b: Sequence[sympy.Expr]) -> list[tuple[
                 pb *= vb[j]
                 j += 1
         groups.append((tuple(ins), tuple(outs)))
-    return groups
+    return tuple(groups)
 
 
 def _moves_shard(rule: Callable[[RuleInput, fx.Node, Shard], Decision]) -> Callable[[RuleInput], Decision]:
