@@ -53,15 +53,15 @@ def test_pipeline_matches_single_device(ranks, family: str, config: str) -> None
     check_pipeline(ranks, family, config)
 
 
-def test_interleaving_over_blocks_that_do_not_divide_evenly(ranks) -> None:
-    check_pipeline(ranks, "llama", "pp2-interleaved-uneven")
-
-
 # The grid above (36 runs) runs with -m slow; every run draws four of its points.
 @settings(max_examples=4)
 @given(family=st.sampled_from(PIPELINE_FAMILIES), config=st.sampled_from(list(CONFIGS)))
 def test_pipeline_matches_single_device_sample(ranks, family: str, config: str) -> None:
     check_pipeline(ranks, family, config)
+
+
+def test_interleaving_over_blocks_that_do_not_divide_evenly(ranks) -> None:
+    check_pipeline(ranks, "llama", "pp2-interleaved-uneven")
 
 
 def check_pipeline(ranks, family: str, config: str) -> None:
