@@ -16,8 +16,10 @@ Under autocast (the plan's ``autocast`` dtype) a value's bytes follow its dtype 
 autocast casts for keeps the cast copies of the inputs it saves (autoshard/ir/autocast.py).
 
 Where kernels differ by device: scaled-dot-product attention without dropout runs the fused kernel
-on CPU and CUDA (keeps q, k, v, the output and the log-sum-exp); with dropout on CPU the math path
-(the score matrices). Dropout keeps a float mask on CPU and a one-byte mask on CUDA.
+on CPU and CUDA (keeps q, k, v, the output and the log-sum-exp, and a boolean mask made additive in q's
+dtype, its own copy each call; its output is token-major, so the usual transpose-and-reshape after it is a
+view: autoshard.ir.ops.storage_root); with dropout on CPU the math path (the score matrices). Dropout keeps a
+float mask on CPU and a one-byte mask on CUDA.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.autocast import cast_to, run_dtypes
 from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
-from autoshard.ir.ops import ALIASING, WRAPPERS, packet, runs
+from autoshard.ir.ops import ALIASING, WRAPPERS, packet, runs, storage_root
 from autoshard.sharding.matmul import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
@@ -116,32 +118,8 @@ def _category(node: fx.Node) -> str:
     return POINTWISE
 
 
-_COPIES_IF_STRIDED = {aten.reshape, aten.contiguous, aten.flatten}
-_STRIDED = {aten.transpose, aten.permute, aten.expand, aten.t}
-
-
-def _root(node: Any, dtypes: dict[fx.Node, torch.dtype] | None = None) -> Any:
-    """The value whose storage ``node`` views: past aliasing ops to the op that made it, or to a reshape
-    that had to copy (of a transposed or expanded tensor, as attention's outputs and repeated kv heads).
-    ``dtypes``: run-time dtypes under autocast, where a ``to`` that changes the dtype copies."""
-    chain = []
-    for _ in range(64):
-        if not isinstance(node, fx.Node) or node.op != "call_function" or packet(node.target) not in ALIASING:
-            break
-        if node.target is operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
-            break
-        if dtypes and packet(node.target) is aten.to and dtypes.get(node) != dtypes.get(node.args[0]):
-            break
-        chain.append(node)
-        node = node.args[0]
-    for index, view in enumerate(chain):
-        if packet(view.target) in _COPIES_IF_STRIDED and any(packet(v.target) in _STRIDED for v in chain[index:]):
-            return view
-    return node
-
-
 def _is_weight(node: Any) -> bool:
-    root = _root(node)
+    root = storage_root(node)
     if not isinstance(root, fx.Node):
         return False
     if root.op == "get_attr":
@@ -234,6 +212,8 @@ def _aten_saves(
             q = args[0]
             lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4
             mask = [(args[3], 0)] if len(args) > 3 and isinstance(args[3], fx.Node) else []
+            if mask and get_shape(args[3]).tensor.dtype == torch.bool:  # it keeps the mask made additive, in q's dtype
+                mask = [(("own", node, 3), get_shape(args[3]).tensor.numel * get_shape(q).tensor.dtype.itemsize)]
             return [(args[0], 0), (args[1], 0), (args[2], 0), *mask, (node, 0), (("own", node, 0), lse)]
     if packet(op) in _DROPOUT and device_type == "cuda":
         return [(("own", node, 0), get_shape(args[0]).tensor.numel)]  # a one-byte mask
@@ -278,7 +258,7 @@ def _cast_copy(node: fx.Node, value: Any, device_type: str, autocast: torch.dtyp
     cast = cast_to(runs(node)[0], device_type, autocast) if autocast is not None else None
     if cast is None or not isinstance(value, fx.Node) or value is node:
         return None
-    root = _root(value, dtypes)
+    root = storage_root(value, dtypes)
     run = dtypes.get(root)
     if not isinstance(root, fx.Node) or run is None or not run.is_floating_point or run == cast:
         return None
@@ -325,7 +305,7 @@ def activation(
     value: Any, part: bool = False, dtypes: dict[fx.Node, torch.dtype] | None = None, shards: int = 1
 ) -> tuple | None:
     """(key, bytes) of the activation that keeping ``value`` keeps (the value it views), or None (a weight)."""
-    root = _root(value, dtypes)
+    root = storage_root(value, dtypes)
     if not isinstance(root, fx.Node) or not _is_activation(root, part):
         return None
     nbytes = _run_nbytes(root, dtypes or {})

@@ -54,6 +54,28 @@ def test_kept_bytes_match_what_autograd_saves(family: str, tolerance: float) -> 
     assert name == "graph" and not memory.unaccounted
 
 
+def test_fused_attention_keeps_its_mask_made_additive_and_a_token_major_output() -> None:
+    """GPT-2 on fused attention hands it a boolean causal mask: the kernel keeps its own additive copy in q's
+    dtype, each call (not the one-byte mask once); its output is laid out token-major, so the transpose and
+    reshape before the projection are a view of it, not a copy kept apart."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(1))
+    batch = type("Batch", (), {"inputs": (ids,), "kwargs": {"labels": ids, "use_cache": False}})()
+    program = autoshard.compile(
+        transformers.GPT2LMHeadModel(config), 1, example_inputs=batch.inputs, example_kwargs=batch.kwargs,
+        hardware=Hardware.preset("cpu"),
+    )  # fmt: skip
+    ((_, memory),) = program.cost.saved_for_backward
+    assert memory.evaluate(B=2, S=128)["kept"] == pytest.approx(_measured(program, batch), rel=1e-4)
+
+
 @pytest.mark.parametrize(("family", "tolerance"), [("gpt2", 0.01), ("llama", 0.05)])
 def test_kept_bytes_under_autocast_match_what_autograd_saves(family: str, tolerance: float) -> None:
     """Under torch.autocast the matmuls keep bf16 copies of their inputs (a weight's once a forward) and

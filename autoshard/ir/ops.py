@@ -7,7 +7,9 @@ the sets here.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -21,6 +23,7 @@ __all__ = [
     "TRAINING_ARGS",
     "packet",
     "runs",
+    "storage_root",
 ]
 
 aten = torch.ops.aten
@@ -92,3 +95,40 @@ TRAINING_ARGS = {
     aten.instance_norm.default: (5, "use_input_stats", False),
     aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
 }
+
+
+# What a value's storage is (the key of what autograd keeps: passes/saved_tensors.py).
+_COPIES_IF_STRIDED = {aten.reshape, aten.contiguous, aten.flatten}
+_SDPA = aten.scaled_dot_product_attention
+_STRIDED = {aten.transpose, aten.permute, aten.expand, aten.t}
+
+
+def storage_root(node: Any, dtypes: dict[fx.Node, torch.dtype] | None = None) -> Any:
+    """The value whose storage ``node`` views: past aliasing ops to the op that made it, or to a reshape
+    that had to copy (of a transposed or expanded tensor, as attention's outputs and repeated kv heads).
+    ``dtypes``: run-time dtypes under autocast, where a ``to`` that changes the dtype copies."""
+    chain = []
+    for _ in range(64):
+        if not isinstance(node, fx.Node) or node.op != "call_function" or packet(node.target) not in ALIASING:
+            break
+        if node.target is operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        if dtypes and packet(node.target) is aten.to and dtypes.get(node) != dtypes.get(node.args[0]):
+            break
+        chain.append(node)
+        node = node.args[0]
+    strided = [v for v in chain if packet(v.target) in _STRIDED]
+    if strided and _heads_first(strided[-1], node):  # the first strided view of the value
+        chain.remove(strided[-1])  # fused kernels lay their output out token-major: swapping heads is contiguous
+    for index, view in enumerate(chain):
+        if packet(view.target) in _COPIES_IF_STRIDED and any(packet(v.target) in _STRIDED for v in chain[index:]):
+            return view
+    return node
+
+
+def _heads_first(view: fx.Node, base: Any) -> bool:
+    """Whether ``view`` swaps a fused attention's (batch, heads, tokens, dim) output to tokens first: a view of
+    memory the kernels (flash and memory-efficient, CPU and CUDA) write token-major."""
+    fused = isinstance(base, fx.Node) and base.op == "call_function" and packet(base.target) is _SDPA
+    swap = packet(view.target) is aten.transpose and sorted(a % 4 for a in view.args[1:3]) == [1, 2]
+    return fused and swap and base.kwargs.get("dropout_p", base.args[4] if len(base.args) > 4 else 0.0) == 0.0
