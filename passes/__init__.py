@@ -1,5 +1,6 @@
 """autoshard's graph passes, one a file, each a ``Pass`` record run through ``run_pass`` (infra.py is the
-pass machinery; expert_loops.py is expert_parallel's second form, loops over experts).
+pass machinery; expert_loops.py is expert_parallel's second form, loops over experts; recompute_budget.py is recompute's
+budget solver).
 
 Analysis passes only write node.meta (keys in autoshard.ir.meta); transformation passes rewrite the
 graph. Every pass declares the keys it reads and writes, and ``run_pass`` checks both.

@@ -18,6 +18,8 @@ backward runs. The choice (``Plan.recompute``):
                    that frees at least as many bytes per FLOP repeated as recomputing the whole block:
                    weighed on what each kernel really keeps (``Deals``), so a fused attention kernel,
                    which keeps its inputs and a log-sum-exp, is kept
+    0 < share < 1  the spans of each block that keep at most that share of the bytes autograd keeps, at the
+                   least FLOPs repeated (passes/recompute_budget.py)
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 
@@ -48,7 +50,6 @@ from autoshard.errors import PlanError
 from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import (
-    COST,
     LAYER,
     RECOMPUTE,
     SHAPE,
@@ -61,8 +62,9 @@ from autoshard.ir.meta import (
 from autoshard.ir.ops import ALIASING, packet, runs
 from autoshard.sharding.matmul import matmul_dims
 
-from . import saved_tensors
+from . import recompute_budget, saved_tensors
 from .infra import Need, Pass, PassResult, calls_to
+from .recompute_budget import Deals
 
 __all__ = ["PASS", "Deals", "blocks", "run"]
 
@@ -172,95 +174,6 @@ def _candidates(gm: fx.GraphModule, choice: Any) -> list[list[fx.Node]]:
     return sorted(regions, key=lambda r: position[r[0]])
 
 
-def _within_budget(
-    gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, budget: float, sizes: dict[str, int]
-) -> list[list[fx.Node]]:
-    """What to recompute so that at most ``budget`` of the bytes autograd keeps stay kept, at the least FLOPs
-    repeated. The candidates are the spans of each block (what "full" recomputes of it) that start at its
-    start or just after a kept matmul and end just before or at a kept matmul or at its end: the runs between
-    matmuls, halves of a block, the whole block. Greedy on the accounting, best bytes freed per FLOP first, a
-    span taking the place of the spans inside it; then the worst trades the budget holds without are dropped.
-    (Checkmate, Jain et al. 2020, solves it exactly as an ILP.) The model's own checkpointed regions stay."""
-    at = lambda expr: evaluate_expr(expr, sizes)  # noqa: E731
-    need = at(deals.total()) * (1.0 - budget)
-    user = [r for r in runs if USER_RECOMPUTE in r[0].meta]
-    freed = sum(at(deals.freed(r)) for r in user)
-    spans = []  # (block run, first, last, nodes, bytes freed, FLOPs)
-    for index, run in enumerate(_candidates(gm, "full")):
-        kept = [i for i, n in enumerate(run) if _kept(n)]
-        for lo in [0, *(i + 1 for i in kept)]:
-            for hi in sorted({*kept, *(i - 1 for i in kept), len(run) - 1}):
-                nodes = run[lo : hi + 1]
-                if lo <= hi and not any(USER_RECOMPUTE in n.meta for n in nodes):
-                    gain = at(deals.freed(nodes))
-                    if gain > 0:
-                        spans.append((index, lo, hi, nodes, gain, at(deals.flops(nodes))))
-    chosen: list[tuple] = []
-    while freed < need:
-        best = None
-        for span in spans:
-            overlapping = [c for c in chosen if c[0] == span[0] and c[1] <= span[2] and span[1] <= c[2]]
-            if span in chosen or any(not (span[1] <= c[1] and c[2] <= span[2]) for c in overlapping):
-                continue  # taken, or it would cut a taken span apart
-            gain = span[4] - sum(c[4] for c in overlapping)
-            cost = span[5] - sum(c[5] for c in overlapping)
-            if gain <= 0:
-                continue
-            if best is None or gain / max(cost, 1.0) > best[0]:
-                best = (gain / max(cost, 1.0), span, overlapping, gain)
-        if best is None:
-            break  # everything recomputable is: the budget cannot be met
-        chosen = [c for c in chosen if c not in best[2]] + [best[1]]
-        freed += best[3]
-    # Greedy overshoots: drop what the budget holds without, the worst trades first (fewer FLOPs repeated, and
-    # the bytes kept closer to the budget).
-    for span in sorted(chosen, key=lambda c: c[4] / max(c[5], 1.0)):
-        if freed - span[4] >= need:
-            chosen.remove(span)
-            freed -= span[4]
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted([*user, *(c[3] for c in chosen)], key=lambda r: position[r[0]])
-
-
-class Deals:
-    """What recomputing a set of nodes frees for backward and what it repeats, from what each op really saves
-    (passes/saved_tensors.py) and its FLOPs (passes/cost_model.py), symbolic in B and S."""
-
-    def __init__(self, gm: fx.GraphModule, device_type: str) -> None:
-        self.saves = {n: pairs or [] for n, pairs in saved_tensors.node_saves(gm, device_type).items()}
-        self.savers: dict[Any, set[fx.Node]] = {}
-        self.size: dict[Any, sympy.Expr] = {}
-        for node, pairs in self.saves.items():
-            for key, nbytes in pairs:
-                self.savers.setdefault(key, set()).add(node)
-                self.size.setdefault(key, nbytes)
-
-    def freed(self, nodes: list[fx.Node]) -> sympy.Expr:
-        """Bytes no longer kept once ``nodes`` recompute: what only they keep, less their inputs (now kept)."""
-        members = set(nodes)
-        inputs = {}
-        for node in nodes:
-            for arg in node.all_input_nodes:
-                kept = saved_tensors.activation(arg) if arg not in members else None
-                if kept is not None:
-                    inputs[kept[0]] = kept[1]
-        keys = {key for node in nodes for key, _ in self.saves.get(node, ())} | set(inputs)
-        total = sympy.Integer(0)
-        for key in keys:
-            before = key in self.savers
-            after = bool(self.savers.get(key, set()) - members) or key in inputs
-            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0))
-        return sympy.expand(total)
-
-    def total(self) -> sympy.Expr:
-        """Every byte the graph keeps for backward, each value once."""
-        return sympy.expand(sympy.Add(*self.size.values()))
-
-    @staticmethod
-    def flops(nodes: list[fx.Node]) -> sympy.Expr:
-        return sympy.expand(sympy.Add(*(n.meta[COST].flops_fwd for n in nodes if COST in n.meta)))
-
-
 def _worth_it(gm: fx.GraphModule, runs: list[list[fx.Node]], deals: Deals, sizes: dict[str, int]) -> list:
     """The attention runs that free at least as many bytes per FLOP repeated as recomputing their whole block
     does (what "full" trades): an attention whose kernel keeps its score matrices is recomputed; a fused one,
@@ -361,7 +274,9 @@ def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[s
         log.info("selective recomputation: %d of %d attention runs worth recomputing", len(candidates), found)
     elif isinstance(choice, float):
         deals = deals or Deals(gm, device_type)
-        candidates = _within_budget(gm, candidates, deals, choice, sizes or saved_tensors.PROBE)
+        user = [r for r in candidates if USER_RECOMPUTE in r[0].meta]
+        at = sizes or saved_tensors.PROBE
+        candidates = recompute_budget.choose(_candidates(gm, "full"), user, deals, choice, at, _kept, device_type)
     for nodes in candidates:  # (each region's freed bytes as the graph stood before any was outlined)
         closed = _closure(nodes)
         if closed is not None:

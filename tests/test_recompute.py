@@ -268,6 +268,40 @@ def test_a_recompute_budget_keeps_at_most_its_share() -> None:
     assert 0 < repeated[0.75] < repeated[0.5] < repeated[0.25] < repeated["full"]
 
 
+@st.composite
+def _fronts(draw: Any) -> list[list[tuple]]:
+    """Blocks' Pareto fronts of (bytes freed, cost): most bytes first, down to (0, 0) (recompute nothing)."""
+    fronts = []
+    for _ in range(draw(st.integers(1, 5))):
+        points = draw(st.lists(st.tuples(st.integers(1, 1000), st.integers(1, 1000)), min_size=1, max_size=6))
+        front = passes.recompute_budget._pareto([(float(g), float(c), ()) for g, c in points] + [(0.0, 0.0, ())])
+        fronts.append(front)
+    return fronts
+
+
+@settings(max_examples=200, deadline=None)
+@given(fronts=_fronts(), share=st.floats(0.0, 1.2))
+def test_the_budget_knapsack_finds_the_least_cost(fronts: list[list[tuple]], share: float) -> None:
+    """Against every combination of the blocks' points: what the knapsack picks frees at least the need, and
+    costs no more than the cheapest combination that frees a grid cell a block more (its rounding down)."""
+    import itertools
+
+    most = sum(front[0][0] for front in fronts)
+    need = share * most
+    picks = passes.recompute_budget._knapsack(fronts, need)
+    freed = sum(front[p][0] for front, p in zip(fronts, picks))
+    cost = sum(front[p][1] for front, p in zip(fronts, picks))
+    combos = [(sum(p[0] for p in c), sum(p[1] for p in c)) for c in itertools.product(*fronts)]
+    if need <= 0 or need > most:  # nothing to free; or more than everything: free the most there is
+        assert picks == [len(front) - 1 if need <= 0 else 0 for front in fronts]
+        return
+    assert freed >= need
+    cells = max(2000, 100 * len(fronts))
+    surely = [c for f, c in combos if f >= need * (1 + len(fronts) / cells)]
+    assert cost <= min(surely, default=cost)
+    assert cost >= min(c for f, c in combos if f >= need)  # it cannot beat the exact optimum
+
+
 @pytest.mark.parametrize("choice", ["selective", 0.5, "full"])
 def test_every_choice_keeps_the_models_own_checkpoints(choice: Any) -> None:
     """A model's torch.utils.checkpoint regions stay regions under every choice: selective recomputation and a

@@ -1,0 +1,193 @@
+"""recompute's budget solver (Plan.recompute as a share, e.g. 0.4): which spans of each block to recompute so
+that at most that share of the bytes autograd keeps stays kept, at the least forward FLOPs repeated.
+
+Not a pass of its own: passes/recompute.py outlines what ``choose`` returns. The candidate spans of a block
+start at its start or just after a kept matmul and end just before or at a kept matmul or at its end (the
+runs between matmuls, halves of a block, the whole block). A block's choices are its sets of disjoint spans;
+each block contributes its Pareto front of (bytes freed, FLOPs repeated), and a knapsack over the blocks
+(bytes on a grid, rounded down so the budget holds) finds the least work repeated that frees enough:
+FLOPs, and bytes moved weighed by the device's FLOPs per byte. Checkmate (Jain et
+al. 2020) solves the same problem over single ops as an ILP; spans between matmuls lose little (a run of
+pointwise ops between two kept matmuls is worth recomputing whole or not at all) and keep it polynomial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import sympy
+from torch import fx
+
+from autoshard.ir.meta import COST, SHAPE, USER_RECOMPUTE, evaluate_expr
+from autoshard.ir.ops import ALIASING, packet
+
+from . import saved_tensors
+
+__all__ = ["Deals", "choose"]
+
+# Bytes on the knapsack's grid: at least this many cells, more with more blocks (each block's rounding down
+# costs at most one cell), at most the cap (the table is blocks x cells).
+_CELLS, _CELLS_PER_BLOCK, _MAX_CELLS = 2000, 100, 20000
+# What one more region costs besides its work: a call and its inputs kept; it breaks ties between choices of
+# equal work towards fewer regions.
+_REGION = 1.0
+# A repeated op costs its FLOPs and the bytes it reads and writes (a softmax, a dropout or a norm repeats no
+# matmul FLOPs but moves its tensors through memory), a byte weighed as the FLOPs a device computes in the time
+# it moves one: dense bf16 peak x what a large GEMM reaches over the HBM bandwidth elementwise kernels reach
+# (A100 SXM: 0.8 x 312 TFLOP/s over 0.8 x 2.04 TB/s, about 150; H100 SXM about 280), and for the CPU preset
+# one AVX-512 core's 0.6 x 160 GFLOP/s over 10 GB/s (autoshard/planner/hardware.py).
+FLOPS_PER_BYTE = {"cuda": 150.0, "cpu": 10.0}
+
+
+class Deals:
+    """What recomputing a set of nodes frees for backward and what it repeats, from what each op really saves
+    (passes/saved_tensors.py) and its FLOPs (passes/cost_model.py), symbolic in B and S."""
+
+    def __init__(self, gm: fx.GraphModule, device_type: str) -> None:
+        self.saves = {n: pairs or [] for n, pairs in saved_tensors.node_saves(gm, device_type).items()}
+        self.savers: dict[Any, set[fx.Node]] = {}
+        self.size: dict[Any, sympy.Expr] = {}
+        for node, pairs in self.saves.items():
+            for key, nbytes in pairs:
+                self.savers.setdefault(key, set()).add(node)
+                self.size.setdefault(key, nbytes)
+
+    def freed(self, nodes: list[fx.Node]) -> sympy.Expr:
+        """Bytes no longer kept once ``nodes`` recompute: what only they keep, less their inputs (now kept)."""
+        return self.freed_apart([nodes])
+
+    def freed_apart(self, regions: list[list[fx.Node]]) -> sympy.Expr:
+        """The same for several regions, each keeping its own inputs (another region's output among them)."""
+        members = {node for region in regions for node in region}
+        inputs = {}
+        for region in regions:
+            own = set(region)
+            for node in region:
+                for arg in node.all_input_nodes:
+                    kept = saved_tensors.activation(arg) if arg not in own else None
+                    if kept is not None:
+                        inputs[kept[0]] = kept[1]
+        keys = {key for node in members for key, _ in self.saves.get(node, ())} | set(inputs)
+        total = sympy.Integer(0)
+        for key in keys:
+            before = key in self.savers
+            after = bool(self.savers.get(key, set()) - members) or key in inputs
+            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0))
+        return sympy.expand(total)
+
+    def total(self) -> sympy.Expr:
+        """Every byte the graph keeps for backward, each value once."""
+        return sympy.expand(sympy.Add(*self.size.values()))
+
+    @staticmethod
+    def flops(nodes: list[fx.Node]) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*(n.meta[COST].flops_fwd for n in nodes if COST in n.meta)))
+
+    @staticmethod
+    def moved(nodes: list[fx.Node]) -> sympy.Expr:
+        """Bytes the ops that compute (not views) read and write."""
+        values = [(n, *n.all_input_nodes) for n in nodes if packet(n.target) not in ALIASING]
+        return sympy.expand(sympy.Add(*(v.meta[SHAPE].nbytes for vs in values for v in vs if SHAPE in v.meta)))
+
+
+def _front(
+    run: list[fx.Node], kept: Callable[[fx.Node], bool], deals: Deals, at: Callable, per_byte: float
+) -> list[tuple]:
+    """One block's Pareto front of (bytes freed, cost, spans) over its sets of disjoint spans, each span a
+    (first, last) index pair; disjoint spans' bytes add (what two spans both keep, or both read, is counted
+    apart: ``choose`` settles the chosen set exactly)."""
+    matmuls = [i for i, n in enumerate(run) if kept(n)]
+    starts = sorted({0, *(i + 1 for i in matmuls if i + 1 < len(run))})
+    ends = sorted({*matmuls, *(i - 1 for i in matmuls if i > 0), len(run) - 1})
+    spans: dict[int, list[tuple[int, int, float, float]]] = {}
+    for lo in starts:
+        for hi in ends:
+            nodes = run[lo : hi + 1]
+            if lo <= hi and not any(USER_RECOMPUTE in n.meta for n in nodes):
+                gain = at(deals.freed(nodes))
+                if gain > 0:
+                    cost = at(deals.flops(nodes)) + per_byte * at(deals.moved(nodes)) + _REGION
+                    spans.setdefault(lo, []).append((lo, hi, gain, cost))
+    fronts: dict[int, list[tuple]] = {len(run): [(0.0, 0.0, ())]}
+    after = lambda i: next((s for s in starts if s > i), len(run))  # noqa: E731  (the next start past i)
+    for lo in reversed(starts):  # the best sets of spans that start at ``lo`` or later
+        options = list(fronts[after(lo)])
+        for first, last, gain, cost in spans.get(lo, ()):
+            options += [(gain + f, cost + c, ((first, last), *rest)) for f, c, rest in fronts[after(last)]]
+        fronts[lo] = _pareto(options)
+    return fronts[starts[0]] if starts else [(0.0, 0.0, ())]
+
+
+def _pareto(options: list[tuple]) -> list[tuple]:
+    """Those no other option beats on both counts (more bytes freed, less cost)."""
+    best: list[tuple] = []
+    for option in sorted(options, key=lambda o: (-o[0], o[1])):
+        if not best or option[1] < best[-1][1]:
+            best.append(option)
+    return best
+
+
+def choose(
+    runs: list[list[fx.Node]],
+    user: list[list[fx.Node]],
+    deals: Deals,
+    budget: float,
+    sizes: dict[str, int],
+    kept: Callable[[fx.Node], bool],
+    device_type: str,
+) -> list[list[fx.Node]]:
+    """The spans of ``runs`` (each block's nodes, what "full" recomputes of it) to recompute besides ``user``
+    (the model's own checkpointed regions, which stay) so that at most ``budget`` of the kept bytes stay
+    kept, at the least work repeated (FLOPs and bytes moved, ``FLOPS_PER_BYTE`` of ``device_type``'s kernels);
+    everything recomputable where the budget cannot be met."""
+    at = lambda expr: float(evaluate_expr(expr, sizes))  # noqa: E731
+    need = at(deals.total()) * (1.0 - budget)
+    fronts = [_front(run, kept, deals, at, FLOPS_PER_BYTE[device_type]) for run in runs]
+    picks = _knapsack(fronts, need - (at(deals.freed_apart(user)) if user else 0.0))
+    regions = lambda: [run[lo : hi + 1] for run, f, p in zip(runs, fronts, picks) for lo, hi in f[p][2]]  # noqa: E731
+    # The front added bytes of disjoint spans; what the chosen set frees, counted once, settles it: short of the
+    # need, the block whose next point costs least for its bytes frees more, until the need is met.
+    while at(deals.freed_apart([*user, *regions()])) < need and any(picks):
+        steps = [(_per_byte(fronts[i][p], fronts[i][p - 1]), i) for i, p in enumerate(picks) if p > 0]
+        picks[min(steps)[1]] -= 1
+    return [*user, *regions()]
+
+
+def _per_byte(point: tuple, richer: tuple) -> float:
+    """What moving to the next point of a front (more bytes freed, at more cost) costs a byte."""
+    return (richer[1] - point[1]) / (richer[0] - point[0])
+
+
+def _knapsack(fronts: list[list[tuple]], need: float) -> list[int]:
+    """Per block, which point of its front: the least total cost whose bytes freed (rounded down to the grid)
+    reach ``need``; each block's most bytes freed where no choice does."""
+    if need <= 0:
+        return [len(front) - 1 for front in fronts]  # each front's last point frees least: nothing at all
+    cells = min(_MAX_CELLS, max(_CELLS, _CELLS_PER_BLOCK * len(fronts)))
+    cost = np.full(cells + 1, np.inf)  # cost[j]: the least cost of freeing j cells (``cells``: at least that)
+    cost[0] = 0.0
+    back = []  # per block, per cell reached: (the front's point, the cell it came from)
+    for front in fronts:
+        new, point, came = np.full(cells + 1, np.inf), np.zeros(cells + 1, np.int32), np.zeros(cells + 1, np.int64)
+        for index, (gain, price, _) in enumerate(front):
+            step = cells if gain >= need else int(gain * cells / need)  # cells it surely fills
+            tried = cost + price
+            if step < cells:  # below the top cell: each reached cell moves up by ``step``
+                better = tried[: cells - step] < new[step:cells]
+                new[step:cells][better] = tried[: cells - step][better]
+                point[step:cells][better] = index
+                came[step:cells][better] = np.arange(cells - step)[better]
+            top = int(np.argmin(tried[cells - step :])) + cells - step  # the cells that reach the top
+            if tried[top] < new[cells]:
+                new[cells], point[cells], came[cells] = tried[top], index, top
+        cost = new
+        back.append((point, came))
+    if not np.isfinite(cost[cells]):
+        return [0 for _ in fronts]  # the budget cannot be met: each block's most bytes freed
+    picks, cell = [], cells
+    for point, came in reversed(back):
+        picks.append(int(point[cell]))
+        cell = int(came[cell])
+    return picks[::-1]
