@@ -39,7 +39,7 @@ from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.autocast import cast_to, run_dtypes
 from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
-from autoshard.ir.ops import ALIASING, WRAPPERS, packet, runs, storage_root
+from autoshard.ir.ops import ALIASING, WRAPPERS, packet, returns_its_input, runs, storage_root
 from autoshard.sharding.matmul import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
@@ -164,7 +164,7 @@ def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tupl
     target = node.target
     if target is recompute.region:
         return [(a, get_shape(a).nbytes) for a in node.args[2:] if isinstance(a, fx.Node) and get_shape(a).tensors]
-    if target in _SAVE_NOTHING or packet(target) in ALIASING:
+    if target in _SAVE_NOTHING or packet(target) in ALIASING or returns_its_input(node):
         return []
     if target is tp_ops.vocab_parallel_embedding:  # the ids and a one-byte mask of the ids this rank holds
         ids = node.args[2]

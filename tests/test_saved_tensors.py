@@ -54,16 +54,18 @@ def test_kept_bytes_match_what_autograd_saves(family: str, tolerance: float) -> 
     assert name == "graph" and not memory.unaccounted
 
 
-def test_fused_attention_keeps_its_mask_made_additive_and_a_token_major_output() -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_gpt2_without_dropout_keeps_what_autograd_saves(attention: str) -> None:
     """GPT-2 on fused attention hands it a boolean causal mask: the kernel keeps its own additive copy in q's
     dtype, each call (not the one-byte mask once); its output is laid out token-major, so the transpose and
-    reshape before the projection are a view of it, not a copy kept apart."""
+    reshape before the projection are a view of it, not a copy kept apart. On eager attention a dropout at
+    p = 0 returns its input itself: the attention weights it passes on are the softmax's, kept once."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation="sdpa",
+        attn_pdrop=0.0, attn_implementation=attention,
     )  # fmt: skip
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(1))

@@ -22,6 +22,7 @@ __all__ = [
     "SHARD_PRESERVING",
     "TRAINING_ARGS",
     "packet",
+    "returns_its_input",
     "runs",
     "storage_root",
 ]
@@ -109,7 +110,9 @@ def storage_root(node: Any, dtypes: dict[fx.Node, torch.dtype] | None = None) ->
     ``dtypes``: run-time dtypes under autocast, where a ``to`` that changes the dtype copies."""
     chain = []
     for _ in range(64):
-        if not isinstance(node, fx.Node) or node.op != "call_function" or packet(node.target) not in ALIASING:
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            break
+        if packet(node.target) not in ALIASING and not returns_its_input(node):
             break
         if node.target is operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
             break
@@ -132,3 +135,16 @@ def _heads_first(view: fx.Node, base: Any) -> bool:
     fused = isinstance(base, fx.Node) and base.op == "call_function" and packet(base.target) is _SDPA
     swap = packet(view.target) is aten.transpose and sorted(a % 4 for a in view.args[1:3]) == [1, 2]
     return fused and swap and base.kwargs.get("dropout_p", base.args[4] if len(base.args) > 4 else 0.0) == 0.0
+
+
+_DROPOUTS = {aten.dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout}
+
+
+def returns_its_input(node: fx.Node) -> bool:
+    """A dropout at p = 0 or outside training: aten returns its input itself (Dropout.cpp, ``_dropout``),
+    keeping nothing and drawing nothing."""
+    if node.op != "call_function" or packet(node.target) not in _DROPOUTS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return p == 0 or train is False
