@@ -35,10 +35,11 @@ _CELLS, _CELLS_PER_BLOCK, _MAX_CELLS = 2000, 100, 20000
 _REGION = 1.0
 # A repeated op costs its FLOPs and the bytes it reads and writes (a softmax, a dropout or a norm repeats no
 # matmul FLOPs but moves its tensors through memory), a byte weighed as the FLOPs a device computes in the time
-# it moves one: dense bf16 peak x what a large GEMM reaches over the HBM bandwidth elementwise kernels reach
-# (A100 SXM: 0.8 x 312 TFLOP/s over 0.8 x 2.04 TB/s, about 150; H100 SXM about 280), and for the CPU preset
-# one AVX-512 core's 0.6 x 160 GFLOP/s over 10 GB/s (autoshard/planner/hardware.py).
-FLOPS_PER_BYTE = {"cuda": 150.0, "cpu": 10.0}
+# it moves one: on CUDA, dense bf16 peak x what a large GEMM reaches over the HBM bandwidth elementwise kernels
+# reach (A100 SXM: 0.8 x 312 TFLOP/s over 0.8 x 2.04 TB/s, about 150; H100 SXM about 280); on CPU, measured on
+# two cores of a Xeon here: a matmul at 83 GFLOP/s, softmax and tanh-GELU at 2.1-2.3 GB/s read and written
+# (transcendentals bound them, not memory), an add at 6.3 GB/s.
+FLOPS_PER_BYTE = {"cuda": 150.0, "cpu": 40.0}
 
 
 class Deals:
