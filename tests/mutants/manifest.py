@@ -885,22 +885,22 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "119_recompute_deal_forgets_the_kept_inputs",
-        "file": "passes/recompute.py",
+        "file": "passes/recompute_budget.py",
         "why": "what a recompute region frees leaves out that its inputs are then kept",
         "tests": ["tests/test_recompute.py"],
         "k": "kernels_keep",
     },
     {
         "name": "120_recompute_budget_read_as_the_share_to_free",
-        "file": "passes/recompute.py",
+        "file": "passes/recompute_budget.py",
         "why": "a recompute budget is taken as the share of bytes to free, not to keep",
         "tests": ["tests/test_recompute.py"],
         "k": "budget_keeps",
     },
     {
-        "name": "121_recompute_budget_drops_what_it_needs",
-        "file": "passes/recompute.py",
-        "why": "the budget's pruning drops regions the budget needs, keeping more than the budget",
+        "name": "121_recompute_budget_chains_overlapping_spans",
+        "file": "passes/recompute_budget.py",
+        "why": "a block's front chains spans that overlap, so their bytes count twice and the budget is not met",
         "tests": ["tests/test_recompute.py"],
         "k": "budget_keeps",
     },
@@ -1017,5 +1017,35 @@ MUTANTS: list[dict] = [
         "why": "the search never tries a recomputation budget, so full recomputation stays where a budget fits",
         "tests": ["tests/test_planner_rules.py"],
         "k": "tries_recompute_budgets",
+    },
+    {
+        "name": "138_budget_grid_rounds_up",
+        "file": "passes/recompute_budget.py",
+        "why": "the budget knapsack rounds a block's bytes freed up to the grid, so a chosen set can fall short of "
+        "the budget",
+        "tests": ["tests/test_recompute.py"],
+        "k": "knapsack",
+    },
+    {
+        "name": "139_fused_attention_keeps_the_boolean_mask",
+        "file": "passes/saved_tensors.py",
+        "why": "fused attention is counted keeping a boolean mask once, not its additive copy in q's dtype each call",
+        "tests": ["tests/test_saved_tensors.py"],
+        "k": "without_dropout and sdpa",
+    },
+    {
+        "name": "140_fused_attention_output_copied_by_reshape",
+        "file": "autoshard/ir/ops.py",
+        "why": "the transpose-and-reshape after fused attention is counted as a copy kept apart, though the "
+        "kernel's output is token-major and it is a view",
+        "tests": ["tests/test_saved_tensors.py"],
+        "k": "without_dropout and sdpa",
+    },
+    {
+        "name": "141_dropout_at_zero_keeps_a_copy",
+        "file": "autoshard/ir/ops.py",
+        "why": "a dropout at p = 0 in training is counted as a new tensor, though aten returns its input itself",
+        "tests": ["tests/test_saved_tensors.py"],
+        "k": "without_dropout and eager",
     },
 ]
