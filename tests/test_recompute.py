@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from cases import GLOBAL_BATCH, build_case, dp_reductions_per_step, train_plan, train_single_device
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_dp_equivalence import assert_state_close
 from test_tp import assert_state_close as assert_tp_state_close
@@ -283,6 +283,9 @@ def _fronts(draw: Any) -> list[list[tuple]]:
 
 @settings(max_examples=200, deadline=None)
 @given(fronts=_fronts(), share=st.floats(0.0, 1.2))
+@example(  # two blocks that each free just under half: rounded up, they would seem to meet it together
+    fronts=[[(499.9, 1.0, ()), (0.0, 0.0, ())]] * 2 + [[(1000.0, 100.0, ()), (0.0, 0.0, ())]], share=1000.0 / 1999.8
+)
 def test_the_budget_knapsack_finds_the_least_cost(fronts: list[list[tuple]], share: float) -> None:
     """Against every combination of the blocks' points: what the knapsack picks frees at least the need, and
     costs no more than the cheapest combination that frees a grid cell a block more (its rounding down)."""

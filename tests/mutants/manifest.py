@@ -898,9 +898,10 @@ MUTANTS: list[dict] = [
         "k": "budget_keeps",
     },
     {
-        "name": "121_recompute_budget_chains_overlapping_spans",
+        "name": "121_recompute_budget_front_cannot_stop_early",
         "file": "passes/recompute_budget.py",
-        "why": "a block's front chains spans that overlap, so their bytes count twice and the budget is not met",
+        "why": "a block's front leaves out recomputing nothing from a point on, so every block recomputes from its "
+        "start to its end and a budget keeps far less than it may",
         "tests": ["tests/test_recompute.py"],
         "k": "budget_keeps",
     },
