@@ -10,14 +10,17 @@ of a GPT block in bf16 with CUDA kernels (one-byte dropout masks), compiled offl
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from allocations import allocation_trace, caching_allocator
 
 import autoshard
+from autoshard.launch import LocalRanks
 from autoshard.planner.hardware import Hardware
 
 CHOICES: tuple[Any, ...] = ("none", "selective", "full")
@@ -146,12 +149,6 @@ def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512)
         for label, times in (("dropout 0.1", seconds), ("dropout 0", plain)):
             report(f"{described}, {label}: step time, recompute {choice} / none", f"{times[choice] * 1e3:.0f} ms",
                    f"{times['none'] * 1e3:.0f} ms", times[choice] / times["none"], f"<= {ceiling}")  # fmt: skip
-    # Budgets: what the allocator sees a forward keep, against the budget's share of what no recomputation keeps.
-    for budget in (0.75, 0.5, 0.25):
-        kept = _kept(_build(budget, batch, seq, layers, width, heads))
-        report(f"{name}, recompute budget {budget}: activation bytes kept (allocator) / (budget x none's)",
-               f"{kept / 2**20:.1f} MiB", f"{budget * none['kept'] / 2**20:.1f} MiB", kept / (budget * none["kept"]),
-               "0.9 .. 1.0")  # fmt: skip
     # Fused attention (scaled_dot_product_attention without dropout keeps q, k, v, its output and a log-sum-exp):
     # selective recomputation weighs what the kernel keeps and keeps it, so it costs what no recomputation does.
     fused = {c: _build(c, batch, seq, layers, width, heads, 0.0, "sdpa") for c in ("none", "selective")}
@@ -169,4 +166,109 @@ def bench_recompute(report: Callable[..., None], batch: int = 4, seq: int = 512)
         r = {"kept": _kept(_build("none", batch // k, seq, layers, width, heads))}
         report(f"{name}: kept bytes per forward, microbatches={k} / 1", f"{r['kept'] / 2**20:.1f} MiB",
                f"{none['kept'] / 2**20:.1f} MiB", r["kept"] / none["kept"], f"~ 1/{k}")  # fmt: skip
+    for attention, dropout in (("eager", 0.1), ("sdpa", 0.0)):
+        _budgets(report, attention, dropout, batch, seq)
     _korthikanti(report)
+    _sequence_parallel(report)
+
+
+def _sp_rank_kept(rank: int, world: int, layers: int, batch: int, seq: int, width: int) -> dict[str, Any]:
+    """What one forward of a tp rank (sequence parallel, every block recomputed) leaves allocated for backward,
+    and what the compiler's accounting says it keeps, in all and per block."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=seq, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
+    program = autoshard.compile(
+        transformers.LlamaForCausalLM(config), autoshard.Mesh(tp=world), (ids,), {"labels": ids, "use_cache": False},
+        plan={"sequence_parallel": True, "recompute": "full"}, hardware=Hardware.preset("cpu"),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
+    )  # fmt: skip
+    program.step(ids, labels=ids, use_cache=False)  # warm: what the first step makes once is not a forward's
+    gm = program.runtime.graphs[0]
+
+    def forward() -> Any:
+        outputs = gm(ids, ids)
+        # Every rank through, twice, with time between: some of what the tp collectives held is let go by then
+        # (how much varies by rank and run; what autograd saves is counted apart, exactly).
+        for _ in range(2):
+            dist.barrier()
+            time.sleep(1.0)
+        gc.collect()
+        return outputs
+
+    held = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers(), ids]}
+    saved: dict[int, int] = {}  # what autograd keeps: the distinct storages of the saved tensors
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in held:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs, net, _ = allocation_trace(forward)
+    kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
+    outputs[0].backward()
+    accounted = program.compiled.cost.saved_for_backward[0][1].evaluate(B=batch, S=seq)
+    block = accounted[f"model.layers.{layers - 1}"]
+    return {"allocator": kept, "saved": sum(saved.values()), "accounting": accounted["kept"], "block": block}
+
+
+def _sequence_parallel(report: Callable[..., None], ranks: int = 4, batch: int = 2, seq: int = 2048) -> None:
+    """A Llama block under tp with sequence parallelism and full recomputation keeps its input as this rank's
+    sequence shard, 2sbh/t in bf16 (4sbh/t in fp32, as here), the region gathering it again in backward."""
+    layers, width = 2, 1024
+    with LocalRanks(ranks) as pool:
+        results = pool.run(_sp_rank_kept, layers, batch, seq, width)
+    shard = 4 * seq * batch * width / ranks
+    name = f"Llama, {layers} blocks, width {width}, {batch}x{seq}, tp={ranks} sequence parallel, full recomputation"
+    report(f"{name}: a block's kept bytes (accounting; the first block also keeps what the blocks share, the mask "
+           f"and rotary tables, once) vs its input's sequence shard, 2sbh/t in bf16 (fp32 here)",
+           f"{results[0]['block'] / 2**20:.2f} MiB", f"{shard / 2**20:.2f} MiB", results[0]["block"] / shard,
+           "0.9 .. 1.1")  # fmt: skip
+    worst = max(results, key=lambda r: abs(r["saved"] / r["accounting"] - 1))
+    report(f"{name}: bytes a rank's forward keeps, what autograd saves (distinct storages) vs the accounting, the "
+           f"rank furthest off", f"{worst['saved'] / 2**20:.2f} MiB", f"{worst['accounting'] / 2**20:.2f} MiB",
+           worst["saved"] / worst["accounting"], "0.9 .. 1.1")  # fmt: skip
+    least = min(results, key=lambda r: r["allocator"])
+    spread = ", ".join(f"{r['allocator'] / 2**20:.2f}" for r in results)
+    report(f"{name}: the same at the allocator, the rank holding least (all ranks {spread} MiB: beside what autograd "
+           f"saves, tensors of a gathered block input's size and its shard's, 16 + 4 MiB, still held after the "
+           f"forward, more or fewer by rank and run)",
+           f"{least['allocator'] / 2**20:.2f} MiB", f"{least['accounting'] / 2**20:.2f} MiB",
+           least["allocator"] / least["accounting"], "0.9 .. 1.1")  # fmt: skip
+
+
+def _budgets(
+    report: Callable[..., None], attention: str, dropout: float, batch: int, seq: int, layers: int = 8
+) -> None:
+    """Budgets on a deeper, narrower GPT (a budget is met to within one block's cheapest span; with 8 blocks
+    that is under a tenth of the total): the bytes the allocator sees a forward keep against the budget's
+    share of what no recomputation keeps, and the step against recomputing whole blocks (the first k, as
+    Megatron's recompute_num_layers does) that keep as many bytes, the budget set to their share."""
+    width, heads = 512, 8
+    build = lambda choice: _build(choice, batch, seq, layers, width, heads, dropout, attention)  # noqa: E731
+    none = _kept(build("none"))
+    name = f"GPT-2-style, {layers} blocks, width {width}, {heads} heads, {attention} attention, dropout {dropout}"
+    for budget in (0.75, 0.5, 0.25):
+        kept = _kept(build(budget))
+        report(f"{name}, {batch}x{seq}, recompute budget {budget}: activation bytes kept (allocator) / (budget x "
+               f"none's)", f"{kept / 2**20:.1f} MiB", f"{budget * none / 2**20:.1f} MiB", kept / (budget * none),
+               "0.9 .. 1.0")  # fmt: skip
+    runs, shares = {}, {}
+    for k in (layers // 4, layers // 2, 3 * layers // 4):
+        runs[f"full {k}"] = build(tuple(f"transformer.h.{i}" for i in range(k)))
+        shares[k] = _kept(runs[f"full {k}"]) / none
+        runs[f"budget {k}"] = build(shares[k])
+    times = _step_times(runs)
+    for k, share in shares.items():
+        ours, whole = times[f"budget {k}"], times[f"full {k}"]
+        label = f"{name}: step time, recompute budget {share:.3f} / {k} of {layers} blocks recomputed whole"
+        report(
+            f"{label} (the same kept bytes)", f"{ours * 1e3:.0f} ms", f"{whole * 1e3:.0f} ms", ours / whole, "<= 0.9"
+        )
