@@ -20,14 +20,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import sympy
-import torch
 
 from autoshard.planner.exchanges import context_exchanges, expert_exchanges
+from autoshard.planner.memory import itemsize, rank_memory
 from autoshard.planner.profile import ModelProfile, PartAtDegree
-from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
+from autoshard.planner.report import Candidate, StepTime, bottleneck
 from autoshard.planner.simulate import built, simulate, simulate_shared, table
-from autoshard.planner.stages import Stage, balanced_starts, by_rank
-from autoshard.spec.plan import Plan, is_mixed_precision
+from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_sums
+from autoshard.spec.plan import Plan
 from autoshard.spec.schedules import Schedule
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Costing"]
 
-ADAM_STATES = 2  # exp_avg and exp_avg_sq, fp32, per master element
 HOST_OP_OVERHEAD = 10e-6  # an eager kernel on the host (offload's optimizer step)
 # torch.optim.AdamW's step per element, as its eager and foreach forms run it: param.mul_ (weight decay),
 # exp_avg.lerp_, exp_avg_sq.mul_ and .addcmul_, sqrt, div, add_ (the denominator), param.addcdiv_: eight
@@ -57,8 +56,9 @@ class Costing:
         scale = sizes.get("B", 1) / max(1, profile.sizes.get("B", 1))
         self.model_flops = profile.model_flops * scale  # at the planning batch
         # The search costs thousands of plans that differ only in ZeRO stage, offload, bucket or schedule:
-        # none of those changes a stage's kernels, so each stage layout is costed once.
-        self._stage_memo: dict[tuple, list[Stage]] = {}
+        # none of those changes a stage's kernels, so each stage layout is costed once (and summed per rank once).
+        self._stage_memo: dict[tuple, tuple[Stage, ...]] = {}
+        self._sums_memo: dict[tuple, tuple[RankSums, ...]] = {}
         self._recompute_memo: dict[tuple, float] = {}
 
     def allows(self, tp: int = 1, pp: int = 1) -> bool:
@@ -88,7 +88,8 @@ class Costing:
         # A cp rank computes 1/cp of each row's tokens, and of its attention (balanced chunks): every per-token
         # cost and the attention's, as 1/cp of the rows over the whole sequence.
         tokens = micro / plan.cp
-        stages = self._stages(plan, tokens, 1.0 if shared else hw.sharing(node))
+        layout, stages = self._layout(plan, tokens, 1.0 if shared else hw.sharing(node))
+        sums = self._rank_sums(layout, stages, plan)
 
         def run(stages: list[Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
             if shared:
@@ -124,16 +125,16 @@ class Costing:
             window = max(s.backward for s in stages)
             in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
-        partial = max(sum(s.partial_grads for s in group) for group in by_rank(stages, plan.pp, plan.v_placement))
+        partial = max(r.partial_grads for r in sums)
         if partial:  # summed over tp in one synchronous all-reduce a step, after backward (runtime/rank.py)
             tp_comm += hw.collective_seconds("all_reduce", partial, plan.tp) + hw.sync(plan.tp)
-        dp_comm, zero3, optimizer, offload = self._data_parallel(plan, stages, window, compute, node)
+        dp_comm, zero3, optimizer, offload = self._data_parallel(plan, sums, window, compute, node)
         time = StepTime(
             compute=compute, recompute=recompute, tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm, pp_comm=pp_comm,
             bubble=bubble,
             dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
         )  # fmt: skip
-        memory, per_row = self._memory(plan, stages, in_flight, micro)
+        memory, per_row = rank_memory(plan, sums, in_flight, micro)
         step = time.total
         executed = self.model_flops + self._recompute_flops(plan, tokens)
         per_device = executed / plan.mesh.size / step
@@ -190,15 +191,26 @@ class Costing:
     def _part(self, name: str, plan: Plan) -> PartAtDegree:
         return self.profile.part(name, plan.tp, plan.sequence_parallel)
 
-    def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> list[Stage]:
+    def _stages(self, plan: Plan, micro: int, slowdown: float = 1.0) -> tuple[Stage, ...]:
         """Each stage's costs per microbatch; its kernels ``slowdown`` times slower (cores shared)."""
+        return self._layout(plan, micro, slowdown)[1]
+
+    def _layout(self, plan: Plan, micro: int, slowdown: float) -> tuple[tuple, tuple[Stage, ...]]:
+        """``_stages``, and the key of that stage layout (what the memos of its per-rank sums go by)."""
         # Everything _costed_stages reads of the plan.
         key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
                plan.dp, plan.ep, plan.cp, plan.cp_attention, self._dtype(plan), micro, slowdown)  # fmt: skip
         stages = self._stage_memo.get(key)
         if stages is None:
-            stages = self._stage_memo[key] = self._costed_stages(plan, micro, slowdown)
-        return list(stages)
+            stages = self._stage_memo[key] = tuple(self._costed_stages(plan, micro, slowdown))
+        return key, stages
+
+    def _rank_sums(self, layout: tuple, stages: tuple[Stage, ...], plan: Plan) -> tuple[RankSums, ...]:
+        key = (layout, plan.v_placement)
+        sums = self._sums_memo.get(key)
+        if sums is None:
+            sums = self._sums_memo[key] = rank_sums(stages, plan.pp, plan.v_placement)
+        return sums
 
     def _costed_stages(self, plan: Plan, micro: int, slowdown: float) -> list[Stage]:
         hw, sizes, dtype = self.hardware, {**self.sizes, "B": micro}, self._dtype(plan)
@@ -236,7 +248,7 @@ class Costing:
                     exchanges = count * expert_exchanges(part, plan, sizes, hw)
                     f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
-                    forward, backward = context_exchanges(part, plan, sizes, times, hw, _itemsize(dtype))
+                    forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                 k, tr, _ = part.at(choice, sizes, plan.autocast)
                 kept += count * k
@@ -259,25 +271,24 @@ class Costing:
         return out
 
     def _data_parallel(
-        self, plan: Plan, stages: list[Stage], window: float, compute: float, node: int
+        self, plan: Plan, sums: tuple[RankSums, ...], window: float, compute: float, node: int
     ) -> tuple[float, float, float, float]:
-        """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic (``node``:
-        the plan's ranks on one node)."""
+        """Exposed gradient reduction, exposed ZeRO-3 gathers, the optimizer step, offload traffic (``sums``: each
+        pipeline rank's stages; ``node``: the plan's ranks on one node)."""
         hw = self.hardware
-        per_rank = by_rank(stages, plan.pp, plan.v_placement)
-        params = max(sum(s.params for s in group) for group in per_rank)
-        elements = max(sum(s.elements for s in group) for group in per_rank)
-        itemsize = params / max(1, elements)
-        grad_bytes = elements * (_itemsize(plan.reduce_dtype) if plan.reduce_dtype else itemsize)
+        params = max(r.params for r in sums)
+        elements = max(r.elements for r in sums)
+        per_element = params / max(1, elements)
+        grad_bytes = elements * (itemsize(plan.reduce_dtype) if plan.reduce_dtype else per_element)
         replicas = plan.dp * plan.cp  # the ranks holding the same parameters
         span = replicas * plan.tp
         # One collective per flat group, each paying its latency: ZeRO-3's groups are layers, the others' buckets.
-        groups = max(sum(s.groups for s in group) for group in per_rank)
+        groups = max(r.groups for r in sums)
         later = max(0.0, grad_bytes - plan.first_bucket_bytes)  # the buckets after the smaller first one
         calls = max(1, groups if plan.zero == 3 else 1 + math.ceil(later / plan.bucket_bytes))
 
         # Experts are data parallel over the dp / ep ranks holding them: their share of the bytes goes there.
-        experts = max(sum(s.expert_elements for s in group) for group in per_rank) / max(1, elements)
+        experts = max(r.expert_elements for r in sums) / max(1, elements)
 
         def collectives(op: str, nbytes: float) -> float:
             seconds = 0.0
@@ -298,7 +309,7 @@ class Costing:
                 if plan.zero < 3:  # the updated shards gathered back after the step: nothing to hide behind
                     dp_comm += collectives("all_gather", params)
             if plan.zero == 3:
-                largest = max(s.largest for s in stages)
+                largest = max(r.largest for r in sums)
                 gathers = 2 * plan.microbatches * collectives("all_gather", params)
                 first = hw.collective_seconds("all_gather", largest, replicas, span)
                 zero3 = _exposed(hw, "all_gather", gathers, compute, gathers, 0) + first
@@ -315,50 +326,6 @@ class Costing:
             # Every rank of a node steps at once: on processors they share, as slowly as their kernels do.
             optimizer = hw.sharing(node) * hw.memory_seconds(touched, kernels=ADAM_KERNELS)
         return dp_comm, zero3, optimizer, offload
-
-    def _memory(self, plan: Plan, stages: list[Stage], in_flight: list[int], micro: int) -> tuple[Memory, float]:
-        """The most loaded rank's memory, and its activation bytes per row of the global batch."""
-        best: tuple[int, ...] = ()
-        most, per_row = -1, 0.0
-        for rank, group in enumerate(by_rank(stages, plan.pp, plan.v_placement)):
-            params = sum(s.params for s in group)
-            elements = sum(s.elements for s in group)
-            weights, grads = params, params
-            # ZeRO shards dense parameters over dp, this rank's experts over the dp / ep ranks holding them.
-            replicas = plan.dp * plan.cp
-            sharded = (elements + (plan.ep - 1) * sum(s.expert_elements for s in group)) / replicas
-            sharded_bytes = (params + (plan.ep - 1) * sum(s.expert_params for s in group)) / replicas
-            masters = elements * 4 if is_mixed_precision(plan.param_dtype) else 0
-            optimizer = ADAM_STATES * elements * 4
-            largest = max(s.largest for s in group)
-            if plan.zero >= 1:
-                optimizer = ADAM_STATES * sharded * 4
-                masters = sharded * 4 if masters else 0
-            # What the runtime holds at the end of backward (autoshard/runtime/holders.py, zero.py): ZeRO-2
-            # allocates the full gradient buffers for the backward and keeps only its shard after; ZeRO-3
-            # reduce-scatters each group as its backward ends, unless microbatches accumulate into it.
-            gathered = 0
-            if plan.zero >= 3:
-                weights = sharded_bytes
-                gathered = 2 * largest  # a layer and the prefetched next one
-                grads = sharded_bytes + (grads if plan.microbatches > 1 else 2 * largest)
-            if plan.offload:
-                optimizer, masters = 0, 0
-            # Each microbatch in flight on this rank holds one of its stages' activations (pp = 1: gradient
-            # accumulation runs one microbatch at a time).
-            flight = in_flight[rank] if plan.pp > 1 else 1
-            kept = flight * sum(s.kept for s in group) / len(group)
-            activations = kept + max(s.transient for s in group)
-            buffers = 0  # gradients are views of their buckets; a reduce_dtype copies one bucket at a time
-            if replicas > 1 and plan.reduce_dtype is not None:
-                buffers = min(int(plan.bucket_bytes), elements * _itemsize(plan.reduce_dtype))
-            # Memory's fields in order; the Memory itself built for the most loaded rank only (the search's hot path)
-            memory = tuple(int(x) for x in (weights, grads, optimizer, masters, activations, gathered, buffers))
-            total = sum(memory)
-            if total > most:
-                best, most = memory, total
-                per_row = activations / max(1, micro * plan.dp * plan.microbatches)
-        return Memory(*best), per_row
 
     def _recompute_flops(self, plan: Plan, micro: int) -> float:
         """FLOPs recomputation repeats in one step, over every rank."""
@@ -381,10 +348,6 @@ def _choice(recompute: Any, layer: str) -> Any:
     if isinstance(recompute, (str, float)):  # a budget: each block its share (the budget of its own bytes)
         return recompute if layer not in ("pre", "post") else "none"
     return "full" if layer in recompute else "none"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _exposed(hw: Hardware, op: str, seconds: float, window: float, nbytes: float, bucket: float) -> float:

@@ -1,12 +1,12 @@
-"""Pipeline stages as the cost model sees them: what one stage costs, which stages a rank runs, and where
-the blocks are cut so that the costliest stage is cheapest."""
+"""Pipeline stages as the cost model sees them: what one stage costs, which stages a rank runs, what a rank's
+stages add up to, and where the blocks are cut so that the costliest stage is cheapest."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-__all__ = ["Stage", "balanced_starts", "by_rank"]
+__all__ = ["RankSums", "Stage", "balanced_starts", "by_rank", "rank_sums"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,38 @@ def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[lis
     if v_placement:
         return [[stages[r], stages[2 * pp - 1 - r]] for r in range(pp)]
     return [stages[r::pp] for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class RankSums:
+    """One pipeline rank's stages added up: what its memory and its data-parallel traffic read."""
+
+    params: int
+    elements: int
+    expert_params: int
+    expert_elements: int
+    groups: int
+    partial_grads: int
+    largest: int  # the most of any of its stages
+    kept: float  # its stages' kept bytes, summed in stage order
+    transient: float  # the most of any of its stages
+    count: int  # how many stages it runs
+
+
+def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> tuple[RankSums, ...]:
+    """Each pipeline rank's sums (``by_rank``'s groups): the search costs tens of thousands of plans on a few
+    thousand stage layouts, so it takes these once per layout rather than once per plan."""
+    alike: dict[RankSums, RankSums] = {}  # ranks with equal sums share one object (rank_memory's costs them once)
+    return tuple(
+        alike.setdefault(sums, sums)
+        for group in by_rank(list(stages), pp, v_placement)
+        for sums in [RankSums(
+            sum(s.params for s in group), sum(s.elements for s in group), sum(s.expert_params for s in group),
+            sum(s.expert_elements for s in group), sum(s.groups for s in group),
+            sum(s.partial_grads for s in group), max(s.largest for s in group), sum(s.kept for s in group),
+            max(s.transient for s in group), len(group),
+        )]
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
