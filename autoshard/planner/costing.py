@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -24,8 +25,8 @@ import sympy
 from autoshard.planner.exchanges import context_exchanges, expert_exchanges
 from autoshard.planner.memory import itemsize, rank_memory
 from autoshard.planner.profile import ModelProfile, PartAtDegree
-from autoshard.planner.report import Candidate, StepTime, bottleneck
-from autoshard.planner.simulate import built, simulate, simulate_shared, table
+from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
+from autoshard.planner.simulate import built, in_flight, simulate, simulate_shared
 from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_sums
 from autoshard.spec.plan import Plan
 from autoshard.spec.schedules import Schedule
@@ -33,7 +34,7 @@ from autoshard.spec.schedules import Schedule
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
 
-__all__ = ["Costing"]
+__all__ = ["Costing", "Unfit"]
 
 HOST_OP_OVERHEAD = 10e-6  # an eager kernel on the host (offload's optimizer step)
 # torch.optim.AdamW's step per element, as its eager and foreach forms run it: param.mul_ (weight decay),
@@ -42,6 +43,15 @@ HOST_OP_OVERHEAD = 10e-6  # an eager kernel on the host (offload's optimizer ste
 # planner costs the optimizer torch gives by default).
 ADAM_PASSES, ADAM_KERNELS = 20, 8
 B = sympy.Symbol("B", integer=True, positive=True)
+
+
+@dataclass(frozen=True)
+class Unfit:
+    """A plan over the device's memory as the search ranks it: by its memory alone (its time not costed)."""
+
+    plan: Plan
+    memory: Memory
+    fits: bool = False
 
 
 class Costing:
@@ -76,8 +86,10 @@ class Costing:
         return None
 
     # ---- one plan ------------------------------------------------------------------------------
-    def candidate(self, plan: Plan, with_timeline: bool = True) -> Candidate:
-        """What the cost model predicts for ``plan`` (``with_timeline``: each pipeline rank's actions too)."""
+    def candidate(self, plan: Plan, with_timeline: bool = True, unfit_memory_only: bool = False) -> Candidate | Unfit:
+        """What the cost model predicts for ``plan`` (``with_timeline``: each pipeline rank's actions too;
+        ``unfit_memory_only``: a plan that does not fit comes back as an Unfit, its schedule not simulated: most
+        plans of a large search do not fit, and the search ranks those by memory alone)."""
         hw = self.hardware
         rows = self.sizes.get("B", 1)
         local = max(1, rows // plan.dp)
@@ -90,6 +102,10 @@ class Costing:
         tokens = micro / plan.cp
         layout, stages = self._layout(plan, tokens, 1.0 if shared else hw.sharing(node))
         sums = self._rank_sums(layout, stages, plan)
+        memory, per_row = rank_memory(plan, sums, [1] if schedule is None else in_flight(schedule), micro)
+        fits = memory.total <= hw.memory_bytes
+        if unfit_memory_only and not fits:
+            return Unfit(plan, memory)
 
         def run(stages: list[Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
             if shared:
@@ -103,7 +119,6 @@ class Costing:
             )
             tp_comm, pp_comm, bubble, window = plan.microbatches * stage.tp_comm, 0.0, 0.0, stage.backward
             ep_comm, cp_comm = plan.microbatches * stage.ep_comm, plan.microbatches * stage.cp_comm
-            in_flight = [1]
             timeline: tuple = ()
         else:
             makespan, busy, timeline = run(stages, timeline=with_timeline)
@@ -123,7 +138,6 @@ class Costing:
             pp_comm = max(0.0, makespan - no_send)
             bubble = max(0.0, makespan - busy[slowest] - pp_comm)
             window = max(s.backward for s in stages)
-            in_flight = list(table(schedule).in_flight)
         recompute = plan.microbatches * max(s.recompute for s in stages)
         partial = max(r.partial_grads for r in sums)
         if partial:  # summed over tp in one synchronous all-reduce a step, after backward (runtime/rank.py)
@@ -134,12 +148,10 @@ class Costing:
             bubble=bubble,
             dp_comm=dp_comm, zero3=zero3, optimizer=optimizer, offload=offload,
         )  # fmt: skip
-        memory, per_row = rank_memory(plan, sums, in_flight, micro)
         step = time.total
         executed = self.model_flops + self._recompute_flops(plan, tokens)
         per_device = executed / plan.mesh.size / step
         mfu = self.model_flops / plan.mesh.size / step / hw.peak(self._dtype(plan))
-        fits = memory.total <= hw.memory_bytes
         expr = sympy.Integer(memory.total - memory.activations) + sympy.Rational(per_row).limit_denominator(10**6) * B
         return Candidate(
             plan=plan, step_time=step, memory=memory, time=time, tflops_per_device=per_device / 1e12, mfu=mfu,

@@ -9,13 +9,13 @@ shape and ZeRO stage, best first.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from autoshard.errors import PlanError
-from autoshard.planner.costing import Costing
+from autoshard.planner.costing import Costing, Unfit
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, is_mixed_precision
@@ -262,8 +262,8 @@ def choose_plan(
     rows = sizes.get("B", 1)
     if fixed_mesh:
         _validate(world_or_mesh, overrides, rows)
-    best: dict[tuple[int, ...], Candidate] = {}
-    everything: list[Candidate] = []
+    best: dict[tuple[int, ...], Candidate | Unfit] = {}  # (plans that do not fit: their memory alone)
+    everything: list[Candidate | Unfit] = []
     searched = 0
     refused: dict[str, None] = {}
     kept_all: dict[str, bool] = {}  # a plan without recomputation -> whether it fits
@@ -274,7 +274,7 @@ def choose_plan(
                 break
             continue
         searched += 1
-        candidate = costing.candidate(plan, with_timeline=False)
+        candidate = costing.candidate(plan, with_timeline=False, unfit_memory_only=True)
         everything += [candidate] if fixed_mesh else []
         if plan.recompute == "none":
             kept_all[repr(plan)] = candidate.fits
@@ -283,10 +283,10 @@ def choose_plan(
             best[key] = candidate
     # A shape's best, fully recomputed as nothing else fits: a budget may fit and repeat less (that plan alone).
     for key, chosen in list(best.items()):
-        unfit = kept_all.get(repr(dataclasses.replace(chosen.plan, recompute="none"))) is False
+        unfit = kept_all.get(repr(replace(chosen.plan, recompute="none"))) is False
         for budget in BUDGETS if chosen.plan.recompute == "full" and unfit else ():
             searched += 1
-            candidate = costing.candidate(dataclasses.replace(chosen.plan, recompute=budget), with_timeline=False)
+            candidate = costing.candidate(replace(chosen.plan, recompute=budget), False, unfit_memory_only=True)
             everything += [candidate] if fixed_mesh else []
             best[key] = min(best[key], candidate, key=_rank)
     if not best:
@@ -362,7 +362,7 @@ def _validate(mesh: Mesh, overrides: dict[str, Any], rows: int) -> None:
     Plan(**fields)
 
 
-def _rank(c: Candidate) -> tuple:
+def _rank(c: Candidate | Unfit) -> tuple:
     return (not c.fits, c.step_time if c.fits else c.memory.total)
 
 
@@ -375,7 +375,7 @@ def _changes(plan: Plan, rows: int) -> int:
     ))  # fmt: skip
 
 
-def _prefer_simpler(ranked: list[Candidate]) -> list[Candidate]:
+def _prefer_simpler(ranked: list[Candidate | Unfit]) -> list[Candidate | Unfit]:
     """Among the fitting plans predicted within SIMPLER_WITHIN of the fastest, the simplest goes first."""
     if not ranked or not ranked[0].fits:
         return ranked

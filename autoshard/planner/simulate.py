@@ -18,7 +18,7 @@ from typing import Protocol
 from autoshard.spec.schedule_builders import build_schedule
 from autoshard.spec.schedules import Schedule
 
-__all__ = ["StageCost", "built", "costs", "labels", "simulate", "simulate_shared", "table"]
+__all__ = ["StageCost", "built", "costs", "in_flight", "labels", "simulate", "simulate_shared", "table"]
 
 
 class StageCost(Protocol):
@@ -42,7 +42,6 @@ class Table:
     forwards, backwards, then split backwards' B and W (``costs``)."""
 
     ranks: tuple[tuple[tuple[int, int, int, int, int], ...], ...]
-    in_flight: tuple[int, ...]
     # Every action once as (rank, index, cost slot, need, link), each after the one it needs and after its
     # rank's previous one: times follow from that order alone, so a simulation is one pass over it. Need
     # and link are -1 where there is none, which reads the zero appended to the finish times and the sends.
@@ -73,7 +72,13 @@ def table(schedule: Schedule) -> Table:
             row.append((i, stage, slot, index[need] if need is not None else -1, link))
             i += 1
         rows.append(tuple(row))
-    return Table(tuple(rows), tuple(schedule.peak_in_flight()), _order(rows, i))
+    return Table(tuple(rows), _order(rows, i))
+
+
+@functools.lru_cache(maxsize=1024)
+def in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most microbatches it holds the activations of (a plan's memory needs no table)."""
+    return tuple(schedule.peak_in_flight())
 
 
 @functools.lru_cache(maxsize=64)
