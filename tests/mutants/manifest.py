@@ -335,7 +335,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "43_planner_zero3_keeps_full_gradients",
-        "file": "autoshard/planner/costing.py",
+        "file": "autoshard/planner/memory.py",
         "why": "the planner's memory model keeps ZeRO-3's full gradients after each group's reduce-scatter",
         "tests": ["tests/test_planner_rules.py"],
         "k": None,
@@ -619,14 +619,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "82_planner_masters_not_sharded_by_zero",
-        "file": "autoshard/planner/costing.py",
+        "file": "autoshard/planner/memory.py",
         "why": "the planner charges every rank all the fp32 masters, which ZeRO shards over dp",
         "tests": ["tests/test_planner_closed_forms.py"],
         "k": "model_states",
     },
     {
         "name": "83_planner_zero3_accumulation_keeps_two_layers_of_gradients",
-        "file": "autoshard/planner/costing.py",
+        "file": "autoshard/planner/memory.py",
         "why": "ZeRO-3 under gradient accumulation is charged two layers of gradients, not the whole buffers it keeps",
         "tests": ["tests/test_planner_closed_forms.py"],
         "k": "model_states",
