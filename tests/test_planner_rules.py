@@ -21,7 +21,7 @@ from autoshard.errors import PlanError
 from autoshard.ir.cost import summarize
 from autoshard.ir.meta import ZERO_GROUP, evaluate_expr, get_shape
 from autoshard.planner import choose_plan, default_microbatches
-from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing
+from autoshard.planner.costing import ADAM_KERNELS, ADAM_PASSES, Costing, Unfit
 from autoshard.planner.hardware import Hardware
 from autoshard.planner.profile import profile_graph
 from autoshard.planner.search import SIMPLER_WITHIN
@@ -396,3 +396,20 @@ def test_the_search_tries_recompute_budgets_where_only_full_recomputation_fits(g
     chosen = report.chosen
     assert isinstance(chosen.plan.recompute, float) and chosen.fits, chosen.plan
     assert chosen.step_time < costing(gpt2, hw).candidate(Plan(dp=1, recompute="full"), False).step_time
+
+
+def test_a_plan_over_the_memory_is_ranked_by_its_memory_alone(gpt2) -> None:
+    """The search's shortcut: with unfit_memory_only a plan that does not fit comes back as an Unfit with the
+    full candidate's memory to the byte (what the search ranks it by), and one that fits as the full candidate."""
+    plans = [Plan(dp=1), Plan(dp=1, recompute="full"), Plan(dp=1, tp=2), Plan(dp=2, zero=3),
+             Plan(dp=1, pp=2, microbatches=4), Plan(dp=1, pp=2, microbatches=4, schedule="zb_h1")]  # fmt: skip
+    full = [costing(gpt2).candidate(plan, False) for plan in plans]
+    cut = sorted(c.memory.total for c in full)[len(full) // 2]  # about half of them fit
+    small = costing(gpt2, HW.with_(memory_bytes=cut))
+    for plan, whole in zip(plans, full):
+        screened = small.candidate(plan, False, unfit_memory_only=True)
+        assert screened.memory == whole.memory and screened.fits == (whole.memory.total <= cut), plan
+        assert isinstance(screened, Unfit) is not screened.fits, plan
+        if screened.fits:
+            assert screened.step_time == whole.step_time, plan
+    assert {c.fits for c in (small.candidate(p, False, unfit_memory_only=True) for p in plans)} == {True, False}
