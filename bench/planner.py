@@ -1,7 +1,9 @@
 """The planner against reality: predicted and measured step time and peak memory of 4 gloo ranks, after
-``Hardware.measure()`` calibrated those ranks; and the planning time of Llama-2-70B for 1024 ranks.
+``Hardware.measure()`` calibrated those ranks; and the planning time of Llama-2-70B for 1024 ranks and of a
+Llama-3-405B-shaped model for 16,384.
 
-    python bench/planner.py              # measured vs predicted tables (GPT, MoE), then the 70B planning time
+    python bench/planner.py              # measured vs predicted tables (GPT, MoE), then the planning times
+    python bench/planner.py --only plan_405b
     python bench/planner.py --only measured
     python bench/planner.py --only experts   # the same for a Mixtral-shaped MoE under expert parallelism
 
@@ -297,27 +299,46 @@ def bench_experts(report: Any = None, steps: int = 20) -> dict[str, Any]:
 
 def bench_plan_70b(report: Any = None) -> float:
     """Capture, analysis and the full search for Llama-2-70B on 1024 ranks of H100 (meta device)."""
+    config = {
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    return _plan_llama("Llama-2-70B", config, 1024, (1024, 4096), {"param_dtype": torch.bfloat16}, 60, report)
+
+
+def bench_plan_405b(report: Any = None) -> float:
+    """The same for a Llama-3-405B-shaped model on 16,384 ranks of H100, 2048 sequences of 8192 tokens, nothing
+    fixed: the whole space (about 52,000 plans, most of them over 80 GiB)."""
+    config = {
+        "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+    }  # fmt: skip
+    return _plan_llama("Llama-3-405B", config, 16384, (2048, 8192), {}, 30, report)
+
+
+def _plan_llama(
+    name: str, config: dict[str, int], world: int, batch: tuple[int, int], fixed: dict[str, Any], budget: float,
+    report: Any,
+) -> float:  # fmt: skip
+    """Seconds of ``autoshard.plan`` (capture, analysis, search) for a Llama of ``config`` on the meta device,
+    ``batch`` (rows, tokens) on ``world`` H100s, reported against ``budget`` seconds."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    config = transformers.LlamaConfig(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
-    )  # fmt: skip
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    ids = torch.zeros(1024, 4096, dtype=torch.long, device="meta")
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    ids = torch.zeros(*batch, dtype=torch.long, device="meta")
     start = time.perf_counter()
     plans = autoshard.plan(
-        model, 1024, (ids,), {"labels": ids, "use_cache": False},
-        hardware=autoshard.Hardware.preset("h100-80gb"), plan={"param_dtype": torch.bfloat16},
+        model, world, (ids,), {"labels": ids, "use_cache": False},
+        hardware=autoshard.Hardware.preset("h100-80gb"), plan=fixed,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     print(plans.table(5, 0))
-    print(f"Llama-2-70B, 1024 x H100: {plans.searched} plans costed, capture + analysis + plan {seconds:.1f} s")
+    print(f"{name}, {world} x H100: {plans.searched} plans costed, capture + analysis + plan {seconds:.1f} s")
     if report is not None:
-        report(f"plan Llama-2-70B for 1024 ranks ({plans.searched} plans)", f"{seconds:.1f} s", "60 s budget",
-               seconds / 60, "< 1.0")  # fmt: skip
+        report(f"plan {name} for {world} ranks ({plans.searched} plans)", f"{seconds:.1f} s", f"{budget:g} s budget",
+               seconds / budget, "< 1.0")  # fmt: skip
     return seconds
 
 
@@ -385,7 +406,7 @@ def bench_published(report: Any = None) -> list[dict[str, Any]]:
 
 BENCHMARKS = {
     "measured": bench_measured, "experts": bench_experts, "published": bench_published,
-    "plan_70b": bench_plan_70b,
+    "plan_70b": bench_plan_70b, "plan_405b": bench_plan_405b,
 }  # fmt: skip
 
 
