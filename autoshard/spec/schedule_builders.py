@@ -184,27 +184,33 @@ def _list_scheduled(name: str, pp: int, microbatches: int, stages_of: list[tuple
     virtual = len(stages_of[0])
     n = pp * virtual
     schedule_ranks: list[list[Action]] = [[] for _ in range(pp)]
-    finished: dict[Action, int] = {}  # action -> the time unit it ran in
+    # Per stage and microbatch, the time unit its F and its B ran in (never: past every t). Kept as numbers, not
+    # looked up by Action: a planner's search builds these for every pipeline depth and microbatch count.
+    never = 3 * n * microbatches + 1
+    ran = {"F": [[never] * microbatches for _ in range(n)], "B": [[never] * microbatches for _ in range(n)]}
     next_f, next_b = [0] * n, [0] * n  # per stage, the next microbatch to run F and B of
     pending_w: list[list[Action]] = [[] for _ in range(pp)]
     held = [0] * pp  # stage-microbatches whose forward ran and W has not
     left, t = 3 * n * microbatches, 0
 
-    def ready(action: Action) -> bool:
-        need = action.needs(n)
-        return need is None or finished.get(need, t) < t
+    def ready(stage: int, kind: str, microbatch: int) -> bool:
+        """What the action needs (Action.needs) ran before t: the previous stage's F, the next stage's B, or
+        the last stage's own F."""
+        if kind == "F":
+            return stage == 0 or ran["F"][stage - 1][microbatch] < t
+        return (ran["F"][stage] if stage == n - 1 else ran["B"][stage + 1])[microbatch] < t
 
     while left:
         progressed = False
         for r in range(pp):
             choice = None
             for stage in stages_of[r]:  # the B nearer the loss first: it unblocks the most
-                if next_b[stage] < microbatches and ready(Action(stage, "B", next_b[stage])):
+                if next_b[stage] < microbatches and ready(stage, "B", next_b[stage]):
                     choice = Action(stage, "B", next_b[stage])
                     break
             if choice is None and held[r] < limit:
                 for stage in stages_of[r]:  # finishing a microbatch before taking on another
-                    if next_f[stage] < microbatches and ready(Action(stage, "F", next_f[stage])):
+                    if next_f[stage] < microbatches and ready(stage, "F", next_f[stage]):
                         choice = Action(stage, "F", next_f[stage])
                         break
             if choice is None and pending_w[r]:
@@ -212,13 +218,14 @@ def _list_scheduled(name: str, pp: int, microbatches: int, stages_of: list[tuple
             if choice is None:
                 continue
             schedule_ranks[r].append(choice)
-            finished[choice] = t
             left -= 1
             progressed = True
             if choice.kind == "F":
+                ran["F"][choice.stage][choice.microbatch] = t
                 next_f[choice.stage] += 1
                 held[r] += 1
             elif choice.kind == "B":
+                ran["B"][choice.stage][choice.microbatch] = t
                 next_b[choice.stage] += 1
                 pending_w[r].append(Action(choice.stage, "W", choice.microbatch))
             else:
