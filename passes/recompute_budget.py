@@ -93,9 +93,53 @@ class Deals:
         return sympy.expand(sympy.Add(*(v.meta[SHAPE].nbytes for vs in values for v in vs if SHAPE in v.meta)))
 
 
-def _front(
-    run: list[fx.Node], kept: Callable[[fx.Node], bool], deals: Deals, at: Callable, per_byte: float
-) -> list[tuple]:
+class _Priced:
+    """Deals in numbers at one set of sizes: what sets of nodes free and cost, from each value's and each node's
+    figures evaluated once (a block's spans share them: building an expression per span is what was slow)."""
+
+    def __init__(self, deals: Deals, sizes: dict[str, int], per_byte: float) -> None:
+        self.deals, self.sizes, self.per_byte = deals, sizes, per_byte
+        self.size = {key: self.at(nbytes) for key, nbytes in deals.size.items()}
+        self._inputs: dict[fx.Node, tuple | None] = {}
+        self._costs: dict[fx.Node, float] = {}
+
+    def at(self, expr: Any) -> float:
+        return float(evaluate_expr(expr, self.sizes))
+
+    def freed(self, regions: list[list[fx.Node]]) -> float:
+        """``Deals.freed_apart``, in bytes."""
+        members = {node for region in regions for node in region}
+        inputs = {}
+        for region in regions:
+            own = set(region)
+            for node in region:
+                for arg in node.all_input_nodes:
+                    kept = self._input(arg) if arg not in own else None
+                    if kept is not None:
+                        inputs[kept[0]] = kept[1]
+        keys = {key for node in members for key, _ in self.deals.saves.get(node, ())} | set(inputs)
+        total = 0.0
+        for key in keys:
+            before = key in self.deals.savers
+            after = bool(self.deals.savers.get(key, set()) - members) or key in inputs
+            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0.0))
+        return total
+
+    def cost(self, nodes: list[fx.Node]) -> float:
+        """FLOPs repeated and bytes moved, weighed, and one region's worth."""
+        for node in nodes:
+            if node not in self._costs:
+                self._costs[node] = self.at(Deals.flops([node])) + self.per_byte * self.at(Deals.moved([node]))
+        return sum(self._costs[node] for node in nodes) + _REGION
+
+    def _input(self, arg: fx.Node) -> tuple | None:
+        if arg not in self._inputs:
+            kept = saved_tensors.activation(arg)
+            self._inputs[arg] = None if kept is None else (kept[0], self.at(kept[1]))
+        return self._inputs[arg]
+
+
+def _front(run: list[fx.Node], kept: Callable[[fx.Node], bool], priced: _Priced) -> list[tuple]:
     """One block's Pareto front of (bytes freed, cost, spans) over its sets of disjoint spans, each span a
     (first, last) index pair; disjoint spans' bytes add (what two spans both keep, or both read, is counted
     apart: ``choose`` settles the chosen set exactly)."""
@@ -107,10 +151,9 @@ def _front(
         for hi in ends:
             nodes = run[lo : hi + 1]
             if lo <= hi and not any(USER_RECOMPUTE in n.meta for n in nodes):
-                gain = at(deals.freed(nodes))
+                gain = priced.freed([nodes])
                 if gain > 0:
-                    cost = at(deals.flops(nodes)) + per_byte * at(deals.moved(nodes)) + _REGION
-                    spans.setdefault(lo, []).append((lo, hi, gain, cost))
+                    spans.setdefault(lo, []).append((lo, hi, gain, priced.cost(nodes)))
     fronts: dict[int, list[tuple]] = {len(run): [(0.0, 0.0, ())]}
     after = lambda i: next((s for s in starts if s > i), len(run))  # noqa: E731  (the next start past i)
     for lo in reversed(starts):  # the best sets of spans that start at ``lo`` or later
@@ -143,14 +186,14 @@ def choose(
     (the model's own checkpointed regions, which stay) so that at most ``budget`` of the kept bytes stay
     kept, at the least work repeated (FLOPs and bytes moved, ``FLOPS_PER_BYTE`` of ``device_type``'s kernels);
     everything recomputable where the budget cannot be met."""
-    at = lambda expr: float(evaluate_expr(expr, sizes))  # noqa: E731
-    need = at(deals.total()) * (1.0 - budget)
-    fronts = [_front(run, kept, deals, at, FLOPS_PER_BYTE[device_type]) for run in runs]
-    picks = _knapsack(fronts, need - (at(deals.freed_apart(user)) if user else 0.0))
+    priced = _Priced(deals, sizes, FLOPS_PER_BYTE[device_type])
+    need = sum(priced.size.values()) * (1.0 - budget)
+    fronts = [_front(run, kept, priced) for run in runs]
+    picks = _knapsack(fronts, need - (priced.freed(user) if user else 0.0))
     regions = lambda: [run[lo : hi + 1] for run, f, p in zip(runs, fronts, picks) for lo, hi in f[p][2]]  # noqa: E731
     # The front added bytes of disjoint spans; what the chosen set frees, counted once, settles it: short of the
     # need, the block whose next point costs least for its bytes frees more, until the need is met.
-    while at(deals.freed_apart([*user, *regions()])) < need and any(picks):
+    while priced.freed([*user, *regions()]) < need and any(picks):
         steps = [(_per_byte(fronts[i][p], fronts[i][p - 1]), i) for i, p in enumerate(picks) if p > 0]
         picks[min(steps)[1]] -= 1
     return [*user, *regions()]
