@@ -124,7 +124,8 @@ def test_every_plan_the_constraints_allow_is_a_candidate(gpt2) -> None:
     [
         (4, {"pp": 4}, "pp=4 is more stages than the model's 2 blocks"),
         (3, {"tp": 3}, "tp=3 does not divide the 4 attention heads"),
-        (2, {"pp": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b at pp=2 needs at least 4 blocks"),
+        (2, {"pp": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b at pp=2 needs 4 or more blocks"),
+        (2, {"schedule": "zbv"}, "a pipeline schedule or virtual stages were asked for, which pp=1 does not run"),
         (2, {"pp": 2, "schedule": "zbv"}, "zbv at pp=2 needs 4 blocks"),
         (3, {"dp": 3}, "dp=3 does not divide the global batch of 8"),
     ],
@@ -133,6 +134,16 @@ def test_a_refusal_names_the_constraint_that_ruled_every_plan_out(gpt2, world: i
     with pytest.raises(PlanError, match=re.escape(named)) as refusal:
         choose_plan(world, fields, costing(gpt2), gpt2[1], HW)
     assert "or other values for the fixed" in str(refusal.value)
+
+
+def test_a_schedule_asked_for_gets_a_pipeline(gpt2) -> None:
+    """A schedule (or virtual stages) in the plan asks for a pipeline: the search does not answer with pp=1,
+    which runs none (and where a zbv or interleaved plan at pp=1 was costed as one of two stages)."""
+    for fields in ({"schedule": "gpipe"}, {"schedule": "zb_h1"}):
+        report = choose_plan(4, fields, costing(gpt2), gpt2[1], HW)
+        assert {c.plan.pp for c in report.candidates} == {2}, fields
+    assert not Plan(pp=1, schedule="zbv").v_placement
+    assert Plan(pp=1, schedule="interleaved_1f1b", virtual_stages=2).virtual_stages == 1
 
 
 def test_the_winner_is_the_fastest_that_fits_or_simpler_within_the_models_resolution(gpt2) -> None:

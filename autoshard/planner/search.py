@@ -181,6 +181,9 @@ def _pipeline_options(
     refused: dict[str, None],
 ) -> Iterable[dict[str, Any]]:
     fixed_m = overrides.get("microbatches")
+    if pp == 1 and not fixed_mesh and {"schedule", "virtual_stages"} & set(overrides):
+        refused["a pipeline schedule or virtual stages were asked for, which pp=1 does not run"] = None
+        return
     if pp == 1:
         for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
@@ -198,15 +201,11 @@ def _pipeline_options(
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
             if not vs:
-                refused[
-                    f"interleaved_1f1b at pp={pp} needs at least {2 * pp} blocks; the model has {costing.blocks}"
-                ] = None
+                refused[f"interleaved_1f1b at pp={pp} needs {2 * pp} or more blocks; there are {costing.blocks}"] = None
         elif schedule == "zbv":
             vs = [2] if costing.allows(pp=2 * pp) else []
             if not vs:
-                refused[f"zbv at pp={pp} needs {2 * pp} blocks (two stages a rank); the model has {costing.blocks}"] = (
-                    None
-                )
+                refused[f"zbv at pp={pp} needs {2 * pp} blocks (two stages a rank); there are {costing.blocks}"] = None
         else:
             if overrides.get("virtual_stages", 1) != 1:
                 refused[f"virtual_stages={overrides['virtual_stages']} needs interleaved_1f1b (or zbv: 2)"] = None

@@ -153,6 +153,8 @@ class Plan:
             if self.virtual_stages not in (1, 2):
                 raise PlanError(f"schedule='zbv' runs two stages on each rank; virtual_stages={self.virtual_stages}")
             object.__setattr__(self, "virtual_stages", 2 if self.pp > 1 else 1)  # pp=1 runs no schedule
+        if self.pp == 1 and self.schedule_name == "interleaved_1f1b":
+            object.__setattr__(self, "virtual_stages", 1)  # as zbv: pp=1 runs no schedule, the model is one stage
         if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "zbv", "custom"):
             raise PlanError(
                 f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
@@ -236,6 +238,8 @@ class Plan:
     @property
     def v_placement(self) -> bool:
         """Whether the pipeline's stages sit as a V (zbv: rank r holds stages r and 2pp-1-r)."""
+        if self.pp == 1:  # one stage: no pipeline, whatever the schedule's name
+            return False
         return self.schedule.placement == "v" if isinstance(self.schedule, Schedule) else self.schedule == "zbv"
 
     @property
