@@ -1049,4 +1049,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_saved_tensors.py"],
         "k": "without_dropout and eager",
     },
+    {
+        "name": "142_a_schedule_answered_with_pp1",
+        "file": "autoshard/planner/search.py",
+        "why": "a pipeline schedule asked for in an open search is answered with pp=1 plans, which run none",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "schedule_asked or refusal_names",
+    },
 ]
