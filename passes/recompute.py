@@ -19,7 +19,7 @@ backward runs. The choice (``Plan.recompute``):
                    weighed on what each kernel really keeps (``Deals``), so a fused attention kernel,
                    which keeps its inputs and a log-sum-exp, is kept
     0 < share < 1  the spans of each block that keep at most that share of the bytes autograd keeps, at the
-                   least FLOPs repeated (passes/recompute_budget.py)
+                   least work repeated: FLOPs, and bytes moved (passes/recompute_budget.py)
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 

@@ -1,10 +1,10 @@
 """recompute's budget solver (Plan.recompute as a share, e.g. 0.4): which spans of each block to recompute so
-that at most that share of the bytes autograd keeps stays kept, at the least forward FLOPs repeated.
+that at most that share of the bytes autograd keeps stays kept, at the least work repeated.
 
 Not a pass of its own: passes/recompute.py outlines what ``choose`` returns. The candidate spans of a block
 start at its start or just after a kept matmul and end just before or at a kept matmul or at its end (the
 runs between matmuls, halves of a block, the whole block). A block's choices are its sets of disjoint spans;
-each block contributes its Pareto front of (bytes freed, FLOPs repeated), and a knapsack over the blocks
+each block contributes its Pareto front of (bytes freed, cost), and a knapsack over the blocks
 (bytes on a grid, rounded down so the budget holds) finds the least work repeated that frees enough:
 FLOPs, and bytes moved weighed by the device's FLOPs per byte. Checkmate (Jain et
 al. 2020) solves the same problem over single ops as an ILP; spans between matmuls lose little (a run of
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import sympy
+import torch
 from torch import fx
 
 from autoshard.ir.meta import COST, SHAPE, USER_RECOMPUTE, evaluate_expr
@@ -61,22 +61,7 @@ class Deals:
 
     def freed_apart(self, regions: list[list[fx.Node]]) -> sympy.Expr:
         """The same for several regions, each keeping its own inputs (another region's output among them)."""
-        members = {node for region in regions for node in region}
-        inputs = {}
-        for region in regions:
-            own = set(region)
-            for node in region:
-                for arg in node.all_input_nodes:
-                    kept = saved_tensors.activation(arg) if arg not in own else None
-                    if kept is not None:
-                        inputs[kept[0]] = kept[1]
-        keys = {key for node in members for key, _ in self.saves.get(node, ())} | set(inputs)
-        total = sympy.Integer(0)
-        for key in keys:
-            before = key in self.savers
-            after = bool(self.savers.get(key, set()) - members) or key in inputs
-            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0))
-        return sympy.expand(total)
+        return sympy.expand(_freed(self, regions, self.size, saved_tensors.activation, sympy.Integer(0)))
 
     def total(self) -> sympy.Expr:
         """Every byte the graph keeps for backward, each value once."""
@@ -108,22 +93,7 @@ class _Priced:
 
     def freed(self, regions: list[list[fx.Node]]) -> float:
         """``Deals.freed_apart``, in bytes."""
-        members = {node for region in regions for node in region}
-        inputs = {}
-        for region in regions:
-            own = set(region)
-            for node in region:
-                for arg in node.all_input_nodes:
-                    kept = self._input(arg) if arg not in own else None
-                    if kept is not None:
-                        inputs[kept[0]] = kept[1]
-        keys = {key for node in members for key, _ in self.deals.saves.get(node, ())} | set(inputs)
-        total = 0.0
-        for key in keys:
-            before = key in self.deals.savers
-            after = bool(self.deals.savers.get(key, set()) - members) or key in inputs
-            total += (int(before) - int(after)) * self.size.get(key, inputs.get(key, 0.0))
-        return total
+        return _freed(self.deals, regions, self.size, self._input, 0.0)
 
     def cost(self, nodes: list[fx.Node]) -> float:
         """FLOPs repeated and bytes moved, weighed, and one region's worth."""
@@ -137,6 +107,26 @@ class _Priced:
             kept = saved_tensors.activation(arg)
             self._inputs[arg] = None if kept is None else (kept[0], self.at(kept[1]))
         return self._inputs[arg]
+
+
+def _freed(deals: Deals, regions: list[list[fx.Node]], size: dict, kept_input: Callable, zero: Any) -> Any:
+    """What only the regions' nodes keep, less what their inputs keep from now on: ``size`` of each kept value
+    (expressions or numbers), ``kept_input`` the (key, bytes) an input keeps or None."""
+    members = {node for region in regions for node in region}
+    inputs = {}
+    for region in regions:
+        own = set(region)
+        for node in region:
+            for arg in node.all_input_nodes:
+                kept = kept_input(arg) if arg not in own else None
+                if kept is not None:
+                    inputs[kept[0]] = kept[1]
+    total = zero
+    for key in {key for node in members for key, _ in deals.saves.get(node, ())} | set(inputs):
+        before = key in deals.savers
+        after = bool(deals.savers.get(key, set()) - members) or key in inputs
+        total += (int(before) - int(after)) * size.get(key, inputs.get(key, zero))
+    return total
 
 
 def _front(run: list[fx.Node], kept: Callable[[fx.Node], bool], priced: _Priced) -> list[tuple]:
@@ -210,25 +200,26 @@ def _knapsack(fronts: list[list[tuple]], need: float) -> list[int]:
     if need <= 0:
         return [len(front) - 1 for front in fronts]  # each front's last point frees least: nothing at all
     cells = min(_MAX_CELLS, max(_CELLS, _CELLS_PER_BLOCK * len(fronts)))
-    cost = np.full(cells + 1, np.inf)  # cost[j]: the least cost of freeing j cells (``cells``: at least that)
-    cost[0] = 0.0
+    cost = torch.full((cells + 1,), float("inf"), dtype=torch.float64)  # the least cost of freeing j cells
+    cost[0] = 0.0  # (cost[cells]: at least that many)
     back = []  # per block, per cell reached: (the front's point, the cell it came from)
     for front in fronts:
-        new, point, came = np.full(cells + 1, np.inf), np.zeros(cells + 1, np.int32), np.zeros(cells + 1, np.int64)
+        new = torch.full((cells + 1,), float("inf"), dtype=torch.float64)
+        point, came = torch.zeros(cells + 1, dtype=torch.int64), torch.zeros(cells + 1, dtype=torch.int64)
         for index, (gain, price, _) in enumerate(front):
             step = cells if gain >= need else int(gain * cells / need)  # cells it surely fills
             tried = cost + price
             if step < cells:  # below the top cell: each reached cell moves up by ``step``
                 better = tried[: cells - step] < new[step:cells]
-                new[step:cells][better] = tried[: cells - step][better]
-                point[step:cells][better] = index
-                came[step:cells][better] = np.arange(cells - step)[better]
-            top = int(np.argmin(tried[cells - step :])) + cells - step  # the cells that reach the top
+                new[step:cells] = torch.where(better, tried[: cells - step], new[step:cells])
+                point[step:cells] = torch.where(better, index, point[step:cells])
+                came[step:cells] = torch.where(better, torch.arange(cells - step), came[step:cells])
+            top = int(torch.argmin(tried[cells - step :])) + cells - step  # the cells that reach the top
             if tried[top] < new[cells]:
                 new[cells], point[cells], came[cells] = tried[top], index, top
         cost = new
         back.append((point, came))
-    if not np.isfinite(cost[cells]):
+    if not torch.isfinite(cost[cells]):
         return [0 for _ in fronts]  # the budget cannot be met: each block's most bytes freed
     picks, cell = [], cells
     for point, came in reversed(back):

@@ -96,9 +96,9 @@ class Plan:
     recompute         activations recomputed in backward instead of kept: "none"; "full" (each block keeps only
                       its input); "selective" (keep the outputs of matmuls with weights and of communication,
                       recompute attention, norms, dropout and pointwise ops, where that frees memory); a budget
-                      in (0, 1): keep at most that share of the bytes autograd would keep, recomputing what frees
-                      the most bytes per FLOP first (passes/recompute.py); or a tuple of block names (full
-                      recomputation of just those blocks)
+                      in (0, 1): keep at most that share of the bytes autograd would keep, recomputing the spans
+                      that repeat the least work for it (passes/recompute_budget.py); or a tuple of block names
+                      (full recomputation of just those blocks)
     dropout_masks     "per_rank": each rank draws its own dropout masks (fast); "single_device": every rank
                       draws each mask for the global batch as one device would and keeps its slice, so
                       training with dropout equals single-device training bit for bit (costs draws at
