@@ -194,8 +194,8 @@ def _sp_rank_kept(rank: int, world: int, layers: int, batch: int, seq: int, widt
 
     def forward() -> Any:
         outputs = gm(ids, ids)
-        # Every rank through, twice, with time between: some of what the tp collectives held is let go by then
-        # (how much varies by rank and run; what autograd saves is counted apart, exactly).
+        # Every rank through, twice, with time between: some of what is held beyond autograd's saves is let go
+        # by then (how much varies by rank and run; what autograd saves is counted apart, exactly).
         for _ in range(2):
             dist.barrier()
             time.sleep(1.0)
