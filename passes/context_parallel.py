@@ -47,6 +47,7 @@ from torch import fx
 from autoshard.errors import InputError, PlanError
 from autoshard.graph_ops import context as cp_ops
 from autoshard.ir.meta import CP, LAYER, SHAPE, CpPlacement, NodeShape, TensorShape, get_shape
+from autoshard.ir.ops import attention_dropout
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
 from autoshard.sharding.sequence import SEQUENCE_SUMS, Propagation, is_tensor, sequence_input
 
@@ -276,7 +277,7 @@ def _check(gm: fx.GraphModule, degree: int, sizes: dict[str, int], attention: st
         )
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _SDPA:
-            dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            dropout = attention_dropout(node.args, node.kwargs)
             heads = [get_shape(t).tensor.sizes[-3] for t in node.args[1:3]] + [get_shape(node.args[0]).tensor.sizes[-3]]
             if attention == "all_to_all" and any(not h.is_Integer or int(h) % degree for h in heads):
                 raise PlanError(

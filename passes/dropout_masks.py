@@ -27,7 +27,7 @@ from torch import fx
 from autoshard.errors import PlanError
 from autoshard.graph_ops import masks as mask_ops
 from autoshard.ir.meta import COST, LAYER, MASK, SHAPE, MaskSpec, NodeCost, NodeShape, get_shape, get_tp
-from autoshard.ir.ops import RANDOM, runs
+from autoshard.ir.ops import RANDOM, attention_dropout, runs
 from autoshard.ir.placements import Shard
 
 from .infra import Need, Pass, PassResult, calls_to
@@ -54,7 +54,7 @@ def _refuse_other_random(node: fx.Node) -> None:
     if target not in RANDOM or target is aten.dropout.default:
         return
     if target is aten.scaled_dot_product_attention.default:
-        p = args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        p = attention_dropout(args, node.kwargs)
         if not p:
             return
         why = "scaled_dot_product_attention draws its dropout mask inside the kernel"

@@ -39,7 +39,7 @@ from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.autocast import cast_to, run_dtypes
 from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
-from autoshard.ir.ops import ALIASING, WRAPPERS, packet, returns_its_input, runs, storage_root
+from autoshard.ir.ops import ALIASING, WRAPPERS, attention_dropout, packet, returns_its_input, runs, storage_root
 from autoshard.sharding.matmul import matmul_dims
 
 from .infra import CALLS, Need, Pass, PassResult
@@ -207,7 +207,7 @@ def _aten_saves(
         return []  # nothing needs a gradient: autograd records nothing
     out_shape = get_shape(node)
     if packet(op) is aten.scaled_dot_product_attention:
-        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        dropout = attention_dropout(args, kwargs)
         if dropout == 0.0 or device_type == "cuda":  # the fused kernel: q, k, v, a mask, output, log-sum-exp
             q = args[0]
             lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4

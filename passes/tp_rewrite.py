@@ -57,7 +57,7 @@ from autoshard.ir.meta import (
     get_shape,
     get_tp,
 )
-from autoshard.ir.ops import RANDOM, SHARD_PRESERVING
+from autoshard.ir.ops import RANDOM, SHARD_PRESERVING, attention_dropout
 from autoshard.ir.placements import Partial, Placement, Replicate, Shard
 from autoshard.sharding.matmul import matmul_dims
 
@@ -304,7 +304,7 @@ class _Rewriter:
 
     def _draws_on_shards(self, node: fx.Node) -> bool:
         if node.target == aten.scaled_dot_product_attention.default:
-            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            p = attention_dropout(node.args, node.kwargs)
             if not p:
                 return False
         return isinstance(get_tp(node).out, Shard)

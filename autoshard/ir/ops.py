@@ -8,7 +8,7 @@ the sets here.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "RANDOM",
     "SHARD_PRESERVING",
     "TRAINING_ARGS",
+    "attention_dropout",
     "packet",
     "returns_its_input",
     "runs",
@@ -134,7 +135,12 @@ def _heads_first(view: fx.Node, base: Any) -> bool:
     memory the kernels (flash and memory-efficient, CPU and CUDA) write token-major."""
     fused = isinstance(base, fx.Node) and base.op == "call_function" and packet(base.target) is _SDPA
     swap = packet(view.target) is aten.transpose and sorted(a % 4 for a in view.args[1:3]) == [1, 2]
-    return fused and swap and base.kwargs.get("dropout_p", base.args[4] if len(base.args) > 4 else 0.0) == 0.0
+    return fused and swap and attention_dropout(base.args, base.kwargs) == 0.0
+
+
+def attention_dropout(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """scaled_dot_product_attention's dropout_p, given by position or by name."""
+    return args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
 
 
 _DROPOUTS = {aten.dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout}

@@ -27,6 +27,7 @@ from torch import fx
 from autoshard import passes
 from autoshard.errors import PlanError
 from autoshard.ir.meta import evaluate_expr, get_layer, get_shape
+from autoshard.ir.ops import attention_dropout
 from autoshard.ir.placements import Shard
 from autoshard.planner import part_graph
 from autoshard.planner.part_times import Comm, PartTimes, Work, part_times, value
@@ -241,7 +242,7 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 def _attention_dropout(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function" and "scaled_dot_product" in str(node.target):
-            if (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) not in (0, 0.0, None):
+            if attention_dropout(node.args, node.kwargs) not in (0, 0.0, None):
                 return True
     return False
 

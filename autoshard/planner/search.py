@@ -181,10 +181,10 @@ def _pipeline_options(
     refused: dict[str, None],
 ) -> Iterable[dict[str, Any]]:
     fixed_m = overrides.get("microbatches")
-    if pp == 1 and not fixed_mesh and {"schedule", "virtual_stages"} & set(overrides):
-        refused["a pipeline schedule or virtual stages were asked for, which pp=1 does not run"] = None
-        return
     if pp == 1:
+        if not fixed_mesh and {"schedule", "virtual_stages"} & set(overrides):
+            refused["a pipeline schedule or virtual stages were asked for, which pp=1 does not run"] = None
+            return
         for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
         return

@@ -152,9 +152,9 @@ class Plan:
         if self.schedule_name == "zbv":  # two stages a rank, placed as a V: the schedule's own shape
             if self.virtual_stages not in (1, 2):
                 raise PlanError(f"schedule='zbv' runs two stages on each rank; virtual_stages={self.virtual_stages}")
-            object.__setattr__(self, "virtual_stages", 2 if self.pp > 1 else 1)  # pp=1 runs no schedule
-        if self.pp == 1 and self.schedule_name == "interleaved_1f1b":
-            object.__setattr__(self, "virtual_stages", 1)  # as zbv: pp=1 runs no schedule, the model is one stage
+            object.__setattr__(self, "virtual_stages", 2)
+        if self.pp == 1 and self.schedule_name in ("interleaved_1f1b", "zbv"):
+            object.__setattr__(self, "virtual_stages", 1)  # pp=1 runs no schedule: the model is one stage
         if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "zbv", "custom"):
             raise PlanError(
                 f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
