@@ -35,6 +35,39 @@ def allocation_trace(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, current, peak
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]  # fmt: skip
+
+
+def malloc_net(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """fn's result and the bytes it left allocated, as glibc's allocator counts them (in use in the main arena,
+    where this thread's tensors come from, plus every mapped block).
+
+    Unlike the profiler's memory events, this sees a free on any thread: a gloo collective's tensors are often
+    let go on gloo's worker thread once it completes, a free the profiler does not record (it counted a tp
+    all-gather's 16 + 4 MiB as held for good, more or fewer of them by rank and run). It counts what is not a
+    tensor too: Python's objects (kilobytes beside a forward's activations) and what kernels set up on their
+    first call (27 MiB on a first CPU forward here), so measure a warm model.
+    """
+    import gc
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Mallinfo2
+
+    def in_use() -> int:
+        gc.collect()
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    before = in_use()
+    result = fn()
+    return result, in_use() - before
+
+
 @contextlib.contextmanager
 def caching_allocator() -> Iterator[None]:
     """Inside, freed host memory stays with the process for reuse, as the CUDA caching allocator keeps it.

@@ -8,7 +8,6 @@ form of torch's context parallelism a user would run on this machine.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from allocations import allocation_trace
+from allocations import allocation_trace, malloc_net
 from torch import nn
 
 import autoshard
@@ -178,16 +177,7 @@ def _rank_memory(rank: int, world_size: int, seq: int) -> dict[str, Any]:
     program.step(ids, target=target)  # warm: the rank's positions and the optimizer's state are made
     gm = program.runtime.graphs[0]
 
-    def forward() -> Any:
-        outputs = gm(ids, target)
-        # The ring's send buffers are released once gloo's threads are through with them: every rank done, then
-        # a moment, so what is left is what backward needs.
-        dist.barrier()
-        time.sleep(0.5)
-        gc.collect()
-        return outputs
-
-    outputs, net, _ = allocation_trace(forward)
+    outputs, net = malloc_net(lambda: gm(ids, target))
     kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
     outputs[0].backward()
     accounted = sum(memory.evaluate(B=1, S=seq)["kept"] for _, memory in program.compiled.cost.saved_for_backward)
