@@ -33,6 +33,8 @@ _CELLS, _CELLS_PER_BLOCK, _MAX_CELLS = 2000, 100, 20000
 # What one more region costs besides its work: a call and its inputs kept; it breaks ties between choices of
 # equal work towards fewer regions.
 _REGION = 1.0
+# How many times the knapsack is solved again for what neighbouring blocks free together.
+_RESOLVES = 3
 # A repeated op costs its FLOPs and the bytes it reads and writes (a softmax, a dropout or a norm repeats no
 # matmul FLOPs but moves its tensors through memory), a byte weighed as the FLOPs a device computes in the time
 # it moves one: on CUDA, dense bf16 peak x what a large GEMM reaches over the HBM bandwidth elementwise kernels
@@ -179,14 +181,31 @@ def choose(
     priced = _Priced(deals, sizes, FLOPS_PER_BYTE[device_type])
     need = sum(priced.size.values()) * (1.0 - budget)
     fronts = [_front(run, kept, priced) for run in runs]
-    picks = _knapsack(fronts, need - (priced.freed(user) if user else 0.0))
+    gap = need - (priced.freed(user) if user else 0.0)
+    picks = _knapsack(fronts, gap)
     regions = lambda: [run[lo : hi + 1] for run, f, p in zip(runs, fronts, picks) for lo, hi in f[p][2]]  # noqa: E731
-    # The front added bytes of disjoint spans; what the chosen set frees, counted once, settles it: short of the
-    # need, the block whose next point costs least for its bytes frees more, until the need is met.
+    # The fronts add each block's bytes apart, but neighbouring blocks recomputed together free more (the value
+    # between them is kept once, as the later region's input): where the chosen set frees more than its sum
+    # says, solve again for a need lowered by that surplus, and keep the cheaper set while it meets the need.
+    for _ in range(_RESOLVES):
+        surplus = priced.freed([*user, *regions()]) - need - sum(f[p][0] for f, p in zip(fronts, picks)) + gap
+        retry = _knapsack(fronts, gap - surplus) if surplus > 0 else picks
+        if _cost(fronts, retry) >= _cost(fronts, picks):
+            break
+        picks, tried = retry, picks
+        if priced.freed([*user, *regions()]) < need:
+            picks = tried
+            break
+    # What the chosen set frees, counted once, settles it: short of the need, the block whose next point costs
+    # least for its bytes frees more, until the need is met.
     while priced.freed([*user, *regions()]) < need and any(picks):
         steps = [(_per_byte(fronts[i][p], fronts[i][p - 1]), i) for i, p in enumerate(picks) if p > 0]
         picks[min(steps)[1]] -= 1
     return [*user, *regions()]
+
+
+def _cost(fronts: list[list[tuple]], picks: list[int]) -> float:
+    return sum(front[p][1] for front, p in zip(fronts, picks))
 
 
 def _per_byte(point: tuple, richer: tuple) -> float:

@@ -239,8 +239,9 @@ def test_selective_recomputes_what_the_kernels_keep(attention: str, dropout: flo
 
 
 def test_a_recompute_budget_keeps_at_most_its_share() -> None:
-    """recompute=b keeps at most b of the bytes autograd would keep (the accounting), near b where the runs
-    between matmuls are fine enough, and a smaller budget repeats more forward FLOPs: cheap trades first."""
+    """recompute=b keeps at most b of the bytes autograd would keep (the accounting), within 5% of b (0.85-0.95
+    at 0.5 and 0.25 before the knapsack was solved again for what neighbouring blocks free together), and a
+    smaller budget repeats more forward FLOPs: cheap trades first."""
     import transformers
 
     from autoshard.planner.hardware import Hardware
@@ -265,8 +266,8 @@ def test_a_recompute_budget_keeps_at_most_its_share() -> None:
         repeated[choice] = sum(evaluate_expr(r.flops, {"B": 4, "S": 256}) for r in regions)
     for budget in (0.75, 0.5, 0.25):
         assert kept[budget] <= budget * kept["none"], budget
-    for budget in (0.75, 0.5):
-        assert kept[budget] >= 0.85 * budget * kept["none"], budget
+    for budget in (0.75, 0.5, 0.25):
+        assert kept[budget] >= 0.95 * budget * kept["none"], budget
     assert 0 < repeated[0.75] < repeated[0.5] < repeated[0.25] < repeated["full"]
 
 
