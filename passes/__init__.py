@@ -21,6 +21,7 @@ from . import (
     dropout_masks,
     expert_parallel,
     grad_buckets,
+    gradients_in_flight,
     graph_buckets,
     layer_assign,
     overlap_comm,
@@ -53,6 +54,7 @@ __all__ = [
     "dropout_masks",
     "expert_parallel",
     "grad_buckets",
+    "gradients_in_flight",
     "graph_buckets",
     "layer_assign",
     "overlap_comm",
@@ -87,6 +89,7 @@ ALL = (
     weight_grad_split.PASS,
     recompute.PASS,
     saved_tensors.PASS,
+    gradients_in_flight.PASS,
 )
 # Passes over the forward and backward graphs torch.compile compiles (no autoshard keys there).
 COMPILED = (graph_buckets.PASS, overlap_comm.PASS)

@@ -109,3 +109,40 @@ def test_recompute_choices_and_tensor_parallelism_shrink_the_kept_bytes() -> Non
     sp, _ = _compile("gpt2", mesh={"tp": 2}, sequence_parallel=True)
     assert sp.cost.saved_for_backward[0][1].evaluate(**at)["kept"] < none
     assert "saved for backward (passes.saved_tensors; recompute none)" in sp.explain()
+
+
+def _step_peak(program: autoshard.Program, *args: Any, **kwargs: Any) -> int:
+    """The most bytes allocated during one step above what was allocated before it (the profiler's memory
+    events: one process, every free on this thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        program.step(*args, **kwargs)
+    current = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):  # fmt: skip
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+@pytest.mark.parametrize("plan", [{}, {"recompute": "full"}, {"microbatches": 2}], ids=str)
+def test_the_planners_memory_is_a_steps_peak(plan: dict[str, Any]) -> None:
+    """The planner's memory for a plan is what a step holds at its peak: parameters, gradients and Adam's state
+    held between steps, plus what the step allocates at most. A language model with a large vocabulary peaks
+    in its loss's backward, where the gradients of the log-softmax and of the logits (twice the logits, half
+    the activations here) sit beside everything kept (passes/gradients_in_flight)."""
+    from autoshard.demo import TinyGPT, next_token_loss
+
+    gen = torch.Generator().manual_seed(0)
+    ids, target = torch.randint(0, 4096, (8, 64), generator=gen), torch.randint(0, 4096, (8, 64), generator=gen)
+    torch.manual_seed(0)
+    program = autoshard.compile(
+        TinyGPT(4096, 64, 4, 2, 64), 1, (ids,), loss_fn=next_token_loss, example_target=target, plan=plan,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), hardware=Hardware.preset("cpu"),
+    )  # fmt: skip
+    for _ in range(2):  # the optimizer's state exists; what the first steps make once is not a step's
+        program.step(ids, target=target)
+    measured = _step_peak(program, ids, target=target) + sum(program.last_step_memory.values())
+    predicted = program.plan_report.chosen.memory
+    assert predicted.total == pytest.approx(measured, rel=0.01), (str(predicted), measured)

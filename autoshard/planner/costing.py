@@ -232,7 +232,7 @@ class Costing:
         for names in cut_names:
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
-            kept = transient = boundary = 0.0
+            kept = transient = boundary = in_flight = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
                 layer = next(block_iter) if name.startswith("block") else name
@@ -262,9 +262,9 @@ class Costing:
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
                     forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
-                k, tr, _ = part.at(choice, sizes, plan.autocast)
+                k, tr, _, fl = part.at(choice, sizes, plan.autocast)
                 kept += count * k
-                transient = max(transient, tr)
+                transient, in_flight = max(transient, tr), max(in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.
             copies = {t: (nbytes, n) for name in {name for name, _ in runs}
                       for t, owner, nbytes, n in self._part(name, plan).tied if owner not in names}  # fmt: skip
@@ -279,7 +279,7 @@ class Costing:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
-                             expert_params, expert_elements, ep, ring))  # fmt: skip
+                             expert_params, expert_elements, ep, ring, in_flight))  # fmt: skip
         return out
 
     def _data_parallel(

@@ -32,17 +32,24 @@ def rank_memory(plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[int], 
     batch. ``sums``: each pipeline rank's stages (``rank_sums``); ``in_flight``: the microbatches each holds."""
     best: tuple[int, ...] = ()
     most, per_row = -1, 0.0
-    held: dict[int, tuple[tuple[int, ...], int]] = {}  # id of a rank's sums -> what they hold, and its total
+    # id of a rank's sums -> what they hold and its total, in a layer's backward and where the loss's begins
+    held: dict[int, tuple[tuple[int, ...], int, tuple[int, ...], int]] = {}
     for rank, group in enumerate(sums):
         entry = held.get(id(group))
         if entry is None:
             entry = held[id(group)] = _held(plan, group)
-        fixed, fixed_total = entry
+        fixed, fixed_total, at_loss, at_loss_total = entry
         # Each microbatch in flight on this rank holds one of its stages' activations (pp = 1: gradient
         # accumulation runs one microbatch at a time).
         flight = in_flight[rank] if plan.pp > 1 else 1
         kept = flight * group.kept / group.count
-        activations = kept + group.transient
+        # Beside what is kept, the peak holds either a layer's backward (a region recomputing, ZeRO-3's
+        # gathered layers and their gradients) or the gradients one op makes at once, the loss's as a rule,
+        # where backward begins with everything kept and nothing gathered yet; whichever is more.
+        if group.gradients_in_flight > group.transient + fixed_total - at_loss_total:
+            activations, fixed, fixed_total = kept + group.gradients_in_flight, at_loss, at_loss_total
+        else:
+            activations = kept + group.transient
         total = fixed_total + int(activations)
         if total > most:
             best, most = (*fixed[:4], int(activations), *fixed[4:]), total
@@ -50,8 +57,10 @@ def rank_memory(plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[int], 
     return Memory(*best), per_row
 
 
-def _held(plan: Plan, group: RankSums) -> tuple[tuple[int, ...], int]:
-    """A rank's bytes besides activations (Memory's fields in order, activations left out), and their sum."""
+def _held(plan: Plan, group: RankSums) -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
+    """A rank's bytes besides activations (Memory's fields in order, activations left out), and their sum,
+    while a layer's backward runs; then the same where backward begins (ZeRO-3: nothing gathered, no layer's
+    gradients yet)."""
     params, elements = group.params, group.elements
     weights, grads = params, params
     # ZeRO shards dense parameters over dp, this rank's experts over the dp / ep ranks holding them.
@@ -67,15 +76,17 @@ def _held(plan: Plan, group: RankSums) -> tuple[tuple[int, ...], int]:
     # What the runtime holds at the end of backward (autoshard/runtime/holders.py, zero.py): ZeRO-2
     # allocates the full gradient buffers for the backward and keeps only its shard after; ZeRO-3
     # reduce-scatters each group as its backward ends, unless microbatches accumulate into it.
-    gathered = 0
+    gathered = layer_grads = 0
     if plan.zero >= 3:
         weights = sharded_bytes
         gathered = 2 * largest  # a layer and the prefetched next one
-        grads = sharded_bytes + (grads if plan.microbatches > 1 else 2 * largest)
+        layer_grads = 2 * largest if plan.microbatches == 1 else 0
+        grads = sharded_bytes + (grads if plan.microbatches > 1 else layer_grads)
     if plan.offload:
         optimizer, masters = 0, 0
     buffers = 0  # gradients are views of their buckets; a reduce_dtype copies one bucket at a time
     if replicas > 1 and plan.reduce_dtype is not None:
         buffers = min(int(plan.bucket_bytes), elements * itemsize(plan.reduce_dtype))
     fixed = tuple(int(x) for x in (weights, grads, optimizer, masters, gathered, buffers))
-    return fixed, sum(fixed)
+    at_loss = tuple(int(x) for x in (weights, grads - layer_grads, optimizer, masters, 0, buffers))
+    return fixed, sum(fixed), at_loss, sum(at_loss)

@@ -78,21 +78,26 @@ class PartAtDegree:
     attention_q_bytes: sympy.Expr = sympy.Integer(0)
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     sequence_shards: int = 1  # sequence parallel: the hidden state it reads arrives in degree sequence shards
-    _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str]]] = field(default_factory=dict)
+    _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str], sympy.Expr]] = field(default_factory=dict)
     _times: dict[tuple, PartTimes] = field(default_factory=dict)
-    _at: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+    _at: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
 
     def saved(self, choice: str, autocast: torch.dtype | None = None) -> tuple[sympy.Expr, sympy.Expr]:
         """(bytes kept for backward, bytes live while a region recomputes) per microbatch under ``choice``
         (run under torch.autocast in ``autocast``, when given)."""
         return self._recompute(choice, autocast)[:2]
 
-    def at(self, choice: str, sizes: dict[str, int], autocast: torch.dtype | None = None) -> tuple[float, float, float]:
-        """(kept, transient, boundary) bytes at ``sizes``."""
+    def at(
+        self, choice: str, sizes: dict[str, int], autocast: torch.dtype | None = None
+    ) -> tuple[float, float, float, float]:
+        """(kept, transient, boundary, gradients in flight) bytes at ``sizes``."""
         key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
             kept, transient = self.saved(choice, autocast)
-            self._at[key] = (value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes))
+            in_flight = self._recompute(choice, autocast)[3]
+            self._at[key] = (
+                value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes), value(in_flight, sizes)
+            )  # fmt: skip
         return self._at[key]
 
     def recompute_flops(self, choice: str, sizes: dict[str, int]) -> float:
@@ -110,7 +115,7 @@ class PartAtDegree:
 
     def _recompute(
         self, choice: str, autocast: torch.dtype | None = None
-    ) -> tuple[sympy.Expr, sympy.Expr, frozenset[str]]:
+    ) -> tuple[sympy.Expr, sympy.Expr, frozenset[str], sympy.Expr]:
         key = f"{choice}/{autocast}"
         if key not in self._saved:
             has_block = any(_is_block(get_layer(n)) for n in self.graph.graph.nodes if n.op == "call_function")
@@ -121,7 +126,8 @@ class PartAtDegree:
                 passes.run_pass(passes.recompute.PASS, g, choice, self.kernels, self.sizes)
                 shards = self.sequence_shards
                 memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast, shards).value
-                self._saved[key] = (memory.kept, memory.transient, part_graph.recomputed(g))
+                in_flight = passes.run_pass(passes.gradients_in_flight.PASS, g).value
+                self._saved[key] = (memory.kept, memory.transient, part_graph.recomputed(g), in_flight)
         return self._saved[key]
 
     def times(self, sizes: dict[str, int], hw: Hardware, dtype: torch.dtype) -> PartTimes:

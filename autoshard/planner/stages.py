@@ -29,6 +29,7 @@ class Stage:
     expert_elements: int = 0
     ep_comm: float = 0.0  # of forward + backward: expert parallelism's all-to-alls, one microbatch
     cp_comm: float = 0.0  # of forward + backward: context parallelism's ring, what compute does not hide
+    gradients_in_flight: float = 0.0  # the most one op's backward holds at once (passes/gradients_in_flight)
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
@@ -52,6 +53,7 @@ class RankSums:
     kept: float  # its stages' kept bytes, summed in stage order
     transient: float  # the most of any of its stages
     count: int  # how many stages it runs
+    gradients_in_flight: float  # the most of any of its stages
 
 
 def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> tuple[RankSums, ...]:
@@ -65,7 +67,7 @@ def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> 
             sum(s.params for s in group), sum(s.elements for s in group), sum(s.expert_params for s in group),
             sum(s.expert_elements for s in group), sum(s.groups for s in group),
             sum(s.partial_grads for s in group), max(s.largest for s in group), sum(s.kept for s in group),
-            max(s.transient for s in group), len(group),
+            max(s.transient for s in group), len(group), max(s.gradients_in_flight for s in group),
         )]
     )  # fmt: skip
 
