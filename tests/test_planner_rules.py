@@ -72,6 +72,25 @@ def test_memory_per_rank_follows_the_zero_formulas(gpt2, zero: int) -> None:
     assert memory.activations > 0
 
 
+def test_zero3_holds_nothing_gathered_where_the_losss_gradients_peak() -> None:
+    """Backward begins in the loss with everything kept and, under ZeRO-3, nothing gathered yet and no layer's
+    gradients: where the loss's gradients (twice the logits: a large vocabulary over a narrow model) outweigh a
+    layer's gathered parameters and gradients, that is the peak, the activations the same as without ZeRO and
+    only the shards held besides."""
+    import autoshard
+    from autoshard.demo import TinyGPT
+
+    ids = torch.zeros(16, 64, dtype=torch.long)
+    memory = {}
+    for zero in (0, 3):
+        report = autoshard.plan(TinyGPT(4096, 64, 4, 2, 64), autoshard.Mesh(dp=2), (ids,), loss_fn=next_token_loss,
+                                example_target=ids, plan={"zero": zero}, hardware=HW)  # fmt: skip
+        memory[zero] = report.chosen.memory
+    assert memory[3].gathered == 0 and memory[3].gradients == memory[3].weights
+    assert memory[3].activations == memory[0].activations
+    assert 2 * memory[3].weights == pytest.approx(memory[0].weights, rel=0.01)
+
+
 def test_zero3_pays_each_gather_group_its_own_collectives(gpt2) -> None:
     """ZeRO-3 gathers each layer's group in forward and in backward and reduce-scatters it once: on CPU ranks,
     where those calls are synchronous, each also waits for the last rank to arrive (``sync_wait``)."""

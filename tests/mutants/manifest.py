@@ -1056,4 +1056,34 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "schedule_asked or refusal_names",
     },
+    {
+        "name": "143_the_loss_holds_its_logits_gradient_once",
+        "file": "passes/gradients_in_flight.py",
+        "why": "a loss's backward is counted holding one tensor of its logits' size, not the gradients of its "
+        "log-softmax and of the logits at once",
+        "tests": ["tests/test_saved_tensors.py"],
+        "k": "planners_memory",
+    },
+    {
+        "name": "144_the_peak_leaves_out_gradients_in_flight",
+        "file": "autoshard/planner/memory.py",
+        "why": "the planner's peak is what is kept and a layer's backward only, never the loss's gradients",
+        "tests": ["tests/test_saved_tensors.py"],
+        "k": "planners_memory",
+    },
+    {
+        "name": "145_the_budget_knapsack_solved_once",
+        "file": "passes/recompute_budget.py",
+        "why": "the knapsack is not solved again for what neighbouring blocks free together, so a budget keeps "
+        "well under its share at more work",
+        "tests": ["tests/test_recompute.py"],
+        "k": "keeps_at_most_its_share",
+    },
+    {
+        "name": "146_zero3_layer_phase_added_to_the_loss_phase",
+        "file": "autoshard/planner/memory.py",
+        "why": "ZeRO-3's peak in the loss's backward counts a gathered layer and its gradients, which come later",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "holds_nothing_gathered",
+    },
 ]
