@@ -67,7 +67,25 @@ def in_flight(gm: fx.GraphModule) -> sympy.Expr:
         else:
             terms.add(op_bytes(node))
     terms.discard(sympy.Integer(0))
-    return sympy.Max(*terms) if terms else sympy.Integer(0)
+    kept = _undominated({t for term in terms for t in (term.args if isinstance(term, sympy.Max) else (term,))})
+    return sympy.Max(*kept, evaluate=False) if len(kept) > 1 else (kept[0] if kept else sympy.Integer(0))
+
+
+def _undominated(terms: set[sympy.Expr]) -> list[sympy.Expr]:
+    """The terms no other term is at least everywhere: sizes are sums of monomials in B and S with positive
+    coefficients, so one with at least each of another's coefficients is at least it (sympy's Max compares
+    every pair symbolically: seconds on a large model's parts, where this takes milliseconds; the Max is then
+    built unevaluated, and evaluated a term at a time)."""
+    coefficients = {term: term.as_coefficients_dict() for term in terms}
+
+    def covers(a: sympy.Expr, b: sympy.Expr) -> bool:
+        return all(coefficients[a].get(m, 0) >= c for m, c in coefficients[b].items())
+
+    kept: list[sympy.Expr] = []
+    for term in sorted(terms, key=sympy.default_sort_key):
+        if not any(covers(other, term) for other in kept):
+            kept = [other for other in kept if not covers(term, other)] + [term]
+    return kept
 
 
 def run(gm: fx.GraphModule) -> PassResult:

@@ -9,9 +9,13 @@ import pytest
 import sympy
 import torch
 from cases import build_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autoshard
 from autoshard.planner.hardware import Hardware
+
+B, S = sympy.Symbol("B", integer=True, positive=True), sympy.Symbol("S", integer=True, positive=True)
 
 
 def _compile(family: str, mesh: dict[str, int] | None = None, **plan: Any) -> tuple[autoshard.Program, Any]:
@@ -146,3 +150,25 @@ def test_the_planners_memory_is_a_steps_peak(plan: dict[str, Any]) -> None:
     measured = _step_peak(program, ids, target=target) + sum(program.last_step_memory.values())
     predicted = program.plan_report.chosen.memory
     assert predicted.total == pytest.approx(measured, rel=0.01), (str(predicted), measured)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    terms=st.lists(
+        st.dictionaries(st.sampled_from(["1", "B*S", "B*S**2", "S"]), st.integers(1, 9), min_size=1),
+        min_size=1,
+        max_size=8,
+    ),  # fmt: skip
+    b=st.integers(1, 64),
+    s=st.integers(1, 4096),
+)
+def test_the_gradients_in_flight_keep_every_term_that_can_be_the_most(terms: list[dict], b: int, s: int) -> None:
+    """Pruning the terms of the in-flight Max keeps its value at every size: a term dropped is covered,
+    coefficient by coefficient, by one kept."""
+    from autoshard.passes.gradients_in_flight import _undominated
+
+    exprs = {sympy.expand(sum(c * sympy.sympify(m, locals={"B": B, "S": S}) for m, c in t.items())) for t in terms}
+    kept = _undominated(exprs)
+    at = {B: b, S: s}
+    assert max(e.subs(at) for e in kept) == max(e.subs(at) for e in exprs)
+    assert len(kept) <= len(exprs)

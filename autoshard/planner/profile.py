@@ -94,9 +94,11 @@ class PartAtDegree:
         key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
             kept, transient = self.saved(choice, autocast)
-            in_flight = self._recompute(choice, autocast)[3]
+            in_flight = self._recompute(choice, autocast)[3]  # a Max of terms none of which covers another
+            terms = in_flight.args if isinstance(in_flight, sympy.Max) else (in_flight,)
             self._at[key] = (
-                value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes), value(in_flight, sizes)
+                value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes),
+                max(value(term, sizes) for term in terms),
             )  # fmt: skip
         return self._at[key]
 
