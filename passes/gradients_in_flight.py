@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import sympy
+import torch
 from torch import fx
 
 from autoshard.graph_ops import context as cp_ops
@@ -31,7 +32,7 @@ from .infra import Need, Pass, PassResult
 
 __all__ = ["PASS", "run"]
 
-aten = __import__("torch").ops.aten
+aten = torch.ops.aten
 
 # Losses whose work holds two tensors of their logits' size at once (the logits are the argument given).
 _TWICE_THE_LOGITS = {aten.cross_entropy_loss: 0, tp_ops.vocab_parallel_cross_entropy: 1, cp_ops.cross_entropy: 1}
@@ -51,7 +52,7 @@ def op_bytes(node: fx.Node) -> sympy.Expr:
     if target in _TWICE_THE_LOGITS:
         logits = node.args[_TWICE_THE_LOGITS[target]]
         return 2 * (logits.meta[SHAPE].nbytes if isinstance(logits, fx.Node) and SHAPE in logits.meta else 0)
-    if target in ALIASING or not _grad_bytes(node):
+    if target in ALIASING or _grad_bytes(node) == 0:
         return sympy.Integer(0)
     return sympy.expand(_grad_bytes(node) + sympy.Add(*(_grad_bytes(arg) for arg in node.all_input_nodes)))
 
