@@ -181,14 +181,15 @@ def choose(
     priced = _Priced(deals, sizes, FLOPS_PER_BYTE[device_type])
     need = sum(priced.size.values()) * (1.0 - budget)
     fronts = [_front(run, kept, priced) for run in runs]
-    gap = need - (priced.freed(user) if user else 0.0)
+    user_freed = priced.freed(user) if user else 0.0
+    gap = need - user_freed
     picks = _knapsack(fronts, gap)
     regions = lambda: [run[lo : hi + 1] for run, f, p in zip(runs, fronts, picks) for lo, hi in f[p][2]]  # noqa: E731
     # The fronts add each block's bytes apart, but neighbouring blocks recomputed together free more (the value
     # between them is kept once, as the later region's input): where the chosen set frees more than its sum
     # says, solve again for a need lowered by that surplus, and keep the cheaper set while it meets the need.
     for _ in range(_RESOLVES):
-        surplus = priced.freed([*user, *regions()]) - need - sum(f[p][0] for f, p in zip(fronts, picks)) + gap
+        surplus = priced.freed([*user, *regions()]) - user_freed - sum(f[p][0] for f, p in zip(fronts, picks))
         retry = _knapsack(fronts, gap - surplus) if surplus > 0 else picks
         if _cost(fronts, retry) >= _cost(fronts, picks):
             break
