@@ -52,6 +52,16 @@ def _rewritable(node: fx.Node) -> bool:
     return len(node.args) > wi and isinstance(node.args[wi], fx.Node)
 
 
+def deferred_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The input ``x`` of a matmul whose weight gradient W would take (a rewritable matmul of a trainable
+    parameter), else None: W keeps it, and the output's gradient, from B until it runs."""
+    if not _rewritable(node):
+        return None
+    _, xi, wi, _ = _MATMULS[node.target]
+    x, weight = node.args[xi], node.args[wi]
+    return x if is_trainable_parameter(gm, weight) and isinstance(x, fx.Node) else None
+
+
 def run(gm: fx.GraphModule, keep_in_b: frozenset[int] | set[int] = frozenset()) -> PassResult:
     """``keep_in_b``: ids of parameters whose gradient stays in B (read by another stage of the same rank)."""
     graph = gm.graph

@@ -91,6 +91,20 @@ def test_zero3_holds_nothing_gathered_where_the_losss_gradients_peak() -> None:
     assert 2 * memory[3].weights == pytest.approx(memory[0].weights, rel=0.01)
 
 
+def test_a_tied_weight_on_one_rank_is_held_once(gpt2) -> None:
+    """zbv places the first and the last stage on one rank: GPT-2's embedding and the head tied to it are
+    one parameter there, not a copy (a 1F1B pipeline holds a copy on the last rank, as the runtime does)."""
+    from autoshard.planner.stages import rank_sums
+
+    whole = gpt2[2]
+    for plan, copies in ((Plan(pp=2, schedule="zbv", virtual_stages=2, microbatches=4), 0),
+                         (Plan(pp=2, schedule="1f1b", microbatches=4), 1)):  # fmt: skip
+        stages = tuple(costing(gpt2)._costed_stages(plan, 2, 1.0))
+        held = sum(s.params for s in rank_sums(stages, 2, v_placement=plan.schedule == "zbv"))
+        tied = sum(nbytes for s in stages for _, _, nbytes, _ in s.tied_copies)
+        assert tied > 0 and held == whole + copies * tied, (plan.schedule, held, whole, tied)
+
+
 def test_zero3_pays_each_gather_group_its_own_collectives(gpt2) -> None:
     """ZeRO-3 gathers each layer's group in forward and in backward and reduce-scatters it once: on CPU ranks,
     where those calls are synchronous, each also waits for the last rank to arrive (``sync_wait``)."""

@@ -44,6 +44,15 @@ def test_zb_h1_is_valid_and_holds_at_most_what_1f1b_holds_on_its_first_rank(pp: 
     assert max(schedule.peak_in_flight()) == max(one_f_one_b(pp, m).peak_in_flight())
 
 
+def test_what_a_split_backward_holds_at_its_peak() -> None:
+    """The counts the planner's memory reads (Schedule.held_counts): zb_h1's last rank, measured at pp=4 with
+    8 microbatches, peaks in a B with three microbatches waiting for their W. The one in B still keeps its
+    activations while the factors of its W build up, so it counts as both: (1, 4), beside which no other
+    moment holds more. 1F1B holds only activations, at most pp microbatches."""
+    assert zb_h1(4, 8).held_counts()[3] == ((1, 4),)
+    assert one_f_one_b(4, 8).held_counts() == [((p, 0),) for p in one_f_one_b(4, 8).peak_in_flight()]
+
+
 @pytest.mark.parametrize("send", [0.0, 0.1])
 @pytest.mark.parametrize(("pp", "m", "most"), [(4, 8, 0.55), (2, 8, 0.55)])
 def test_zb_h1_bubble_against_1f1b_when_b_and_w_are_each_a_forward(pp: int, m: int, most: float, send: float) -> None:

@@ -102,7 +102,7 @@ class Costing:
         tokens = micro / plan.cp
         layout, stages = self._layout(plan, tokens, 1.0 if shared else hw.sharing(node))
         sums = self._rank_sums(layout, stages, plan)
-        memory, per_row = rank_memory(plan, sums, [1] if schedule is None else in_flight(schedule), micro)
+        memory, per_row = rank_memory(plan, sums, (((1, 0),),) if schedule is None else in_flight(schedule), micro)
         fits = memory.total <= hw.memory_bytes
         if unfit_memory_only and not fits:
             return Unfit(plan, memory)
@@ -232,7 +232,7 @@ class Costing:
         for names in cut_names:
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
-            kept = transient = boundary = in_flight = 0.0
+            kept = transient = boundary = in_flight = held_for_w = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
                 layer = next(block_iter) if name.startswith("block") else name
@@ -262,14 +262,14 @@ class Costing:
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
                     forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
-                k, tr, _, fl = part.at(choice, sizes, plan.autocast)
-                kept += count * k
+                k, tr, _, fl, w = part.at(choice, sizes, plan.autocast)
+                kept, held_for_w = kept + count * k, held_for_w + count * w
                 transient, in_flight = max(transient, tr), max(in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.
-            copies = {t: (nbytes, n) for name in {name for name, _ in runs}
+            copies = {t: (owner, nbytes, n) for name in {name for name, _ in runs}
                       for t, owner, nbytes, n in self._part(name, plan).tied if owner not in names}  # fmt: skip
-            params += sum(nbytes for nbytes, _ in copies.values())
-            elements += sum(n for _, n in copies.values())
+            params += sum(nbytes for _, nbytes, _ in copies.values())
+            elements += sum(n for _, _, n in copies.values())
             if names:  # what the stage's last part hands on
                 last = names[-1]
                 layer = self.profile.block_names[-1] if last.startswith("block") else last
@@ -279,7 +279,8 @@ class Costing:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
-                             expert_params, expert_elements, ep, ring, in_flight))  # fmt: skip
+                             expert_params, expert_elements, ep, ring, in_flight, held_for_w, frozenset(names),
+                             tuple((t, *c) for t, c in copies.items())))  # fmt: skip
         return out
 
     def _data_parallel(

@@ -27,9 +27,12 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def rank_memory(plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[int], micro: int) -> tuple[Memory, float]:
+def rank_memory(
+    plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[Sequence[tuple[int, int]]], micro: int
+) -> tuple[Memory, float]:
     """The most loaded rank's memory (the first such rank), and its activation bytes per row of the global
-    batch. ``sums``: each pipeline rank's stages (``rank_sums``); ``in_flight``: the microbatches each holds."""
+    batch. ``sums``: each pipeline rank's stages (``rank_sums``); ``in_flight``: per rank, the counts of
+    microbatches it holds (forward's activations, W's factors) at the moments that can be its peak."""
     best: tuple[int, ...] = ()
     most, per_row = -1, 0.0
     # id of a rank's sums -> what they hold and its total, in a layer's backward and where the loss's begins
@@ -39,10 +42,10 @@ def rank_memory(plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[int], 
         if entry is None:
             entry = held[id(group)] = _held(plan, group)
         fixed, fixed_total, at_loss, at_loss_total = entry
-        # Each microbatch in flight on this rank holds one of its stages' activations (pp = 1: gradient
-        # accumulation runs one microbatch at a time).
-        flight = in_flight[rank] if plan.pp > 1 else 1
-        kept = flight * group.kept / group.count
+        # Each microbatch in flight on this rank holds one of its stages' activations until its B, then what its
+        # W reads until that runs (pp = 1: gradient accumulation runs one microbatch at a time).
+        counts = in_flight[rank] if plan.pp > 1 else ((1, 0),)
+        kept = max(f * group.kept + w * group.held_for_w for f, w in counts) / group.count
         # Beside what is kept, the peak holds either a layer's backward (a region recomputing, ZeRO-3's
         # gathered layers and their gradients) or the gradients one op makes at once, the loss's as a rule,
         # where backward begins with everything kept and nothing gathered yet; whichever is more.

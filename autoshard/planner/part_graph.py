@@ -11,13 +11,14 @@ import sympy
 import torch
 from torch import fx
 
+from autoshard import passes
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
 from autoshard.ir.ops import ALIASING, packet
 from autoshard.ir.placements import Partial
 from autoshard.planner.part_times import Comm, Work
 
-__all__ = ["comms", "extract", "local_params", "recomputed", "works"]
+__all__ = ["comms", "extract", "held_for_w", "local_params", "recomputed", "works"]
 
 aten = torch.ops.aten
 _NO_WORK = {"placeholder", "get_attr", "output"}
@@ -156,3 +157,16 @@ def recomputed(gm: fx.GraphModule) -> frozenset[str]:
             sub = getattr(gm, node.args[0].target)
             names |= {n.name for n in sub.graph.nodes if n.op == "call_function"}
     return frozenset(names)
+
+
+def held_for_w(g: fx.GraphModule) -> sympy.Expr:
+    """Bytes a microbatch holds from its B to its W where backward is split: each deferred matmul's input (each
+    value once) and its output's gradient (as large as the output)."""
+    inputs: dict[fx.Node, sympy.Expr] = {}
+    grads: list[sympy.Expr] = []
+    for node in g.graph.nodes:
+        x = passes.weight_grad_split.deferred_input(g, node) if node.op == "call_function" else None
+        if x is not None:
+            inputs.setdefault(x, get_shape(x).nbytes)
+            grads.append(get_shape(node).nbytes)
+    return sympy.expand(sympy.Add(*inputs.values(), *grads))

@@ -76,6 +76,7 @@ class PartAtDegree:
     # and the output (all-to-all attention trades all four), over the whole sequence.
     attention_kv_bytes: sympy.Expr = sympy.Integer(0)
     attention_q_bytes: sympy.Expr = sympy.Integer(0)
+    held_for_w: sympy.Expr = sympy.Integer(0)  # a microbatch's bytes from its B to its W (split backward)
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     sequence_shards: int = 1  # sequence parallel: the hidden state it reads arrives in degree sequence shards
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str], sympy.Expr]] = field(default_factory=dict)
@@ -89,8 +90,8 @@ class PartAtDegree:
 
     def at(
         self, choice: str, sizes: dict[str, int], autocast: torch.dtype | None = None
-    ) -> tuple[float, float, float, float]:
-        """(kept, transient, boundary, gradients in flight) bytes at ``sizes``."""
+    ) -> tuple[float, float, float, float, float]:
+        """(kept, transient, boundary, gradients in flight, held from B to W) bytes at ``sizes``."""
         key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
             kept, transient = self.saved(choice, autocast)
@@ -98,7 +99,7 @@ class PartAtDegree:
             terms = in_flight.args if isinstance(in_flight, sympy.Max) else (in_flight,)
             self._at[key] = (
                 value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes),
-                max(value(term, sizes) for term in terms),
+                max(value(term, sizes) for term in terms), value(self.held_for_w, sizes),
             )  # fmt: skip
         return self._at[key]
 
@@ -173,6 +174,7 @@ def _profile_part(
         _experts(part, g, owned)
     part.attention_kv_bytes = _attention_bytes(g, slice(1, 3))
     part.attention_q_bytes = _attention_bytes(g, slice(0, 1))
+    part.held_for_w = part_graph.held_for_w(g)
     return part
 
 

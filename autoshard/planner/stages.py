@@ -30,6 +30,11 @@ class Stage:
     ep_comm: float = 0.0  # of forward + backward: expert parallelism's all-to-alls, one microbatch
     cp_comm: float = 0.0  # of forward + backward: context parallelism's ring, what compute does not hide
     gradients_in_flight: float = 0.0  # the most one op's backward holds at once (passes/gradients_in_flight)
+    held_for_w: float = 0.0  # what one microbatch holds from its B to its W, where backward is split
+    parts: frozenset[str] = frozenset()  # the profile's parts it runs
+    # tied parameters it reads whose owner part runs elsewhere, counted in params as a copy: (name, owner part,
+    # bytes, elements); no copy where the owner is another stage of the same rank (zbv's first and last)
+    tied_copies: tuple[tuple[str, str, int, int], ...] = ()
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
@@ -54,6 +59,13 @@ class RankSums:
     transient: float  # the most of any of its stages
     count: int  # how many stages it runs
     gradients_in_flight: float  # the most of any of its stages
+    held_for_w: float  # its stages', summed
+
+
+def _shared_copies(group: list[Stage]) -> dict[str, tuple[int, int]]:
+    """The tied copies a rank's stages count whose owner runs on the same rank: (bytes, elements) by name."""
+    parts = frozenset().union(*(s.parts for s in group))
+    return {t: (b, n) for s in group for t, owner, b, n in s.tied_copies if owner in parts}
 
 
 def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> tuple[RankSums, ...]:
@@ -63,11 +75,14 @@ def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> 
     return tuple(
         alike.setdefault(sums, sums)
         for group in by_rank(list(stages), pp, v_placement)
+        for shared in [_shared_copies(group)]
         for sums in [RankSums(
-            sum(s.params for s in group), sum(s.elements for s in group), sum(s.expert_params for s in group),
+            sum(s.params for s in group) - sum(b for b, _ in shared.values()),
+            sum(s.elements for s in group) - sum(n for _, n in shared.values()), sum(s.expert_params for s in group),
             sum(s.expert_elements for s in group), sum(s.groups for s in group),
             sum(s.partial_grads for s in group), max(s.largest for s in group), sum(s.kept for s in group),
             max(s.transient for s in group), len(group), max(s.gradients_in_flight for s in group),
+            sum(s.held_for_w for s in group),
         )]
     )  # fmt: skip
 

@@ -242,3 +242,26 @@ class Schedule:
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
+
+    def held_counts(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per rank, the pairs (microbatches holding forward's activations, microbatches holding what their W
+        reads) that no other moment of the rank exceeds in both. A microbatch in its B counts in both: its
+        activations are still kept while the factors its W reads build up. Without a split backward,
+        (peak_in_flight, 0)."""
+        if not self.splits_backward:
+            return [((peak, 0),) for peak in self.peak_in_flight()]
+        out = []
+        for actions in self.ranks:
+            forward = waiting = 0
+            seen: set[tuple[int, int]] = set()
+            for action in actions:
+                if action.kind == "F":
+                    forward += 1
+                elif action.kind == "B":
+                    seen.add((forward, waiting + 1))  # during B
+                    forward, waiting = forward - 1, waiting + 1
+                elif action.kind == "W":
+                    waiting -= 1
+                seen.add((forward, waiting))
+            out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+        return out
