@@ -1086,4 +1086,20 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "holds_nothing_gathered",
     },
+    {
+        "name": "147_a_microbatch_in_b_counts_once",
+        "file": "autoshard/spec/schedules.py",
+        "why": "a split backward's microbatch in its B is counted with its activations only, not also with the W "
+        "factors it builds",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "split_backward_holds",
+    },
+    {
+        "name": "148_a_tied_weight_copied_on_its_owners_rank",
+        "file": "autoshard/planner/stages.py",
+        "why": "zbv's last stage counts a copy of the embedding it is tied to, though the first stage on the same "
+        "rank holds it",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "tied_weight_on_one_rank",
+    },
 ]
