@@ -45,7 +45,11 @@ def rank_memory(
         # Each microbatch in flight on this rank holds one of its stages' activations until its B, then what its
         # W reads until that runs (pp = 1: gradient accumulation runs one microbatch at a time).
         counts = in_flight[rank] if plan.pp > 1 else ((1, 0),)
-        kept = max(f * group.kept + w * group.held_for_w for f, w in counts) / group.count
+        f, w = counts[0]
+        kept = f * group.kept + w * group.held_for_w
+        for f, w in counts[1:]:
+            kept = max(kept, f * group.kept + w * group.held_for_w)
+        kept /= group.count
         # Beside what is kept, the peak holds either a layer's backward (a region recomputing, ZeRO-3's
         # gathered layers and their gradients) or the gradients one op makes at once, the loss's as a rule,
         # where backward begins with everything kept and nothing gathered yet; whichever is more.

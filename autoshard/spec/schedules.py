@@ -263,5 +263,10 @@ class Schedule:
                 elif action.kind == "W":
                     waiting -= 1
                 seen.add((forward, waiting))
-            out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+            frontier, most_waiting = [], -1
+            for pair in sorted(seen, key=lambda p: (-p[0], -p[1])):  # fewer held forward, more must wait for W
+                if pair[1] > most_waiting:
+                    frontier.append(pair)
+                    most_waiting = pair[1]
+            out.append(tuple(frontier))
         return out
