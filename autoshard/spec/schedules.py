@@ -264,7 +264,8 @@ class Schedule:
                     waiting -= 1
                 seen.add((forward, waiting))
             frontier, most_waiting = [], -1
-            for pair in sorted(seen, key=lambda p: (-p[0], -p[1])):  # fewer held forward, more must wait for W
+            # Most forward first: a pair stays where it waits on more W's than every pair holding as much forward.
+            for pair in sorted(seen, key=lambda p: (-p[0], -p[1])):
                 if pair[1] > most_waiting:
                     frontier.append(pair)
                     most_waiting = pair[1]
