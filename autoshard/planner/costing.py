@@ -232,7 +232,7 @@ class Costing:
         for names in cut_names:
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
-            kept = transient = boundary = in_flight = held_for_w = 0.0
+            kept = transient = boundary = grads_in_flight = held_for_w = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
                 layer = next(block_iter) if name.startswith("block") else name
@@ -264,7 +264,7 @@ class Costing:
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                 k, tr, _, fl, w = part.at(choice, sizes, plan.autocast)
                 kept, held_for_w = kept + count * k, held_for_w + count * w
-                transient, in_flight = max(transient, tr), max(in_flight, fl)
+                transient, grads_in_flight = max(transient, tr), max(grads_in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.
             copies = {t: (owner, nbytes, n) for name in {name for name, _ in runs}
                       for t, owner, nbytes, n in self._part(name, plan).tied if owner not in names}  # fmt: skip
@@ -279,7 +279,7 @@ class Costing:
                 span = plan.dp * plan.tp + 1  # neighbouring stages sit dp x tp ranks apart
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
-                             expert_params, expert_elements, ep, ring, in_flight, held_for_w, frozenset(names),
+                             expert_params, expert_elements, ep, ring, grads_in_flight, held_for_w, frozenset(names),
                              tuple((t, *c) for t, c in copies.items())))  # fmt: skip
         return out
 

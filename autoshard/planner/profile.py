@@ -94,9 +94,8 @@ class PartAtDegree:
         """(kept, transient, boundary, gradients in flight, held from B to W) bytes at ``sizes``."""
         key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
-            kept, transient = self.saved(choice, autocast)
-            in_flight = self._recompute(choice, autocast)[3]  # a Max of terms none of which covers another
-            terms = in_flight.args if isinstance(in_flight, sympy.Max) else (in_flight,)
+            kept, transient, _, in_flight = self._recompute(choice, autocast)
+            terms = in_flight.args if isinstance(in_flight, sympy.Max) else (in_flight,)  # none covers another
             self._at[key] = (
                 value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes),
                 max(value(term, sizes) for term in terms), value(self.held_for_w, sizes),
