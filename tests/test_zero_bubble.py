@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cases import train_pipeline, train_single_device
+from cases import build_case, compile_case, train_local_batches, train_pipeline, train_single_device
 from compiled_cases import train_compiled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pipeline import ATOL, RTOL
 from test_tp import TP_ATOL
 
+import autoshard
 from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, matmul_deferring_weight_grad
 from autoshard.planner.simulate import simulate
 from autoshard.spec.schedule_builders import build_schedule, one_f_one_b, zb_h1, zb_h2, zbv
@@ -222,6 +223,34 @@ def check_zero_bubble(ranks, run: str, schedule: str) -> None:
     assert set(state) == set(ref_state)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _gradients_outside_their_buckets(rank: int, world_size: int, mesh: dict[str, int], schedule: str) -> list[str]:
+    """Train with ``schedule``; before every action, the parameters whose gradient is not in its bucket."""
+    case = build_case("gpt2", steps=2, layers=4)  # zbv: two stages a rank
+    program = compile_case(case, autoshard.Mesh(**mesh), plan={"schedule": schedule, "microbatches": 4})
+    runtime = program.runtime
+    buckets = {b.untyped_storage().data_ptr() for b in runtime.holder.buffers.values()}
+    strays, before = [], runtime.runner.before_action
+
+    def check(action: Action) -> None:
+        for name, param in program.named_parameters():
+            if param.grad is not None and param.grad.untyped_storage().data_ptr() not in buckets:
+                strays.append(f"{name} before {action}")
+        before(action)
+
+    runtime.runner.before_action = check
+    train_local_batches(program, case)
+    return strays
+
+
+@pytest.mark.parametrize(("mesh", "schedule"), [({"pp": 2}, "zb_h1"), ({"dp": 2, "pp": 2}, "zbv")])
+def test_a_w_writes_a_weights_first_gradient_into_its_bucket(ranks, mesh: dict[str, int], schedule: str) -> None:
+    """Data parallel buckets hold the gradients: a W that ran before the stage's last keeps no weight-sized
+    tensor of its own beside the bucket (a step's peak would grow by a weight a weight, 4.3x 1F1B's at pp2)."""
+    world = mesh.get("dp", 1) * mesh["pp"]
+    for strays in ranks(world).run(_gradients_outside_their_buckets, mesh, schedule):
+        assert not strays, strays[:5]
 
 
 @pytest.mark.parametrize(

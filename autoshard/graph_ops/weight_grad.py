@@ -21,7 +21,7 @@ weight gradients for W as they do eagerly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,10 @@ import torch
 from autoshard.graph_ops.graph_break import stays_eager
 from autoshard.ir.ops import WRAPPERS
 
-__all__ = ["WEIGHT_GRADS", "DeferredWeightGrad", "WeightGradStore", "matmul_deferring_weight_grad"]
+__all__ = ["WEIGHT_GRADS", "DeferredWeightGrad", "GradSlot", "WeightGradStore", "matmul_deferring_weight_grad"]
 
 aten = torch.ops.aten
+GradSlot = Callable[[torch.Tensor], "torch.Tensor | None"]  # where a holder keeps a weight's gradient, if it does
 
 
 @dataclass
@@ -45,15 +46,20 @@ class DeferredWeightGrad:
     grad_output: torch.Tensor
     gathered: tuple[Any, int, int] | None = None  # ZeRO-3: (runtime, group, index) of the gathered parameter
 
-    def compute(self, scratch: dict[tuple, torch.Tensor] | None = None) -> torch.Tensor:
+    def compute(
+        self, scratch: dict[tuple, torch.Tensor] | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The weight's gradient, in its dtype. With ``scratch`` (one flat buffer by dtype and device, as large
         as the largest weight, reused while the stage's W's run), the product is written into it: a fresh
         allocation a matmul costs page faults that can take longer than the matmul itself (a 4096x1024
-        weight's product of 32-row factors: 3.4 ms fresh against 1.8 ms reused, one CPU thread)."""
+        weight's product of 32-row factors: 3.4 ms fresh against 1.8 ms reused, one CPU thread). With
+        ``into`` (the weight's gradient slot), it is written there."""
         x = self.inputs.reshape(-1, self.inputs.shape[-1])
         g = self.grad_output.reshape(-1, self.grad_output.shape[-1])
         a, b = (g.t(), x) if self.kind == "linear" else (x.t(), g)
         a, b = a.detach(), b.detach()  # W records no graph: the gradient is a value
+        if into is not None:
+            return torch.mm(a, b, out=into) if x.dtype == into.dtype else into.copy_(a.mm(b))
         if scratch is None or x.dtype != self.weight.dtype:
             return a.mm(b).to(self.weight.dtype)
         key = (self.weight.dtype, self.weight.device)
@@ -97,13 +103,15 @@ class WeightGradStore:
         self._held.add(id(deferred.weight))
         self.deferred_total += 1
 
-    def apply(self, deferred: list[DeferredWeightGrad], completes: bool = True) -> None:
+    def apply(self, deferred: list[DeferredWeightGrad], completes: bool = True, slot: GradSlot | None = None) -> None:
         """W: compute the held-back weight gradients and accumulate them into ``.grad``, one contribution a
         weight (a weight read twice is summed first, as autograd sums before it accumulates). ``completes``:
         whether this is the stage's last W. Its accumulations go through autograd, one backward call a
         weight, so that each parameter's gradient hook fires once, with every contribution in: they are the
         gradients' arrivals. An earlier W's are no arrival, so it adds in place, as autograd's accumulation
-        does, and fires no hook."""
+        does, and fires no hook; a weight's first gradient of the step goes where ``slot(weight)`` says its
+        holder keeps it (a gradient bucket's view), else it is the fresh product, kept until the stage's
+        last W hands it to the holder: a weight's worth of bytes a weight in the meantime."""
         if not deferred:
             return
         uses: dict[int, int] = {}
@@ -121,8 +129,12 @@ class WeightGradStore:
                 grads[index] = grad if grads[index] is None else grads[index] + grad
                 continue
             if uses[id(item.weight)] == 1:  # added at once: the scratch buffer is free again for the next
+                into = _first_slot(item.weight, completes, slot)
+                if into is not None:
+                    item.weight.grad = item.compute(into=into)
+                    continue
                 reuse = item.weight.grad is not None  # a first gradient is kept, so it is a fresh tensor
-                self._accumulate(item.weight, item.compute(self._scratch if reuse else None), completes)
+                self._accumulate(item.weight, item.compute(self._scratch if reuse else None), completes, slot)
                 continue
             weight, total = summed.get(id(item.weight), (item.weight, None))
             grad = item.compute()
@@ -130,19 +142,29 @@ class WeightGradStore:
         for (_, group), (runtime, grads) in groups.items():
             runtime.add_grads(group, tuple(grads))  # accumulated; reduce-scattered at the stage's last W (armed)
         for weight, total in summed.values():
-            self._accumulate(weight, total, completes)
+            self._accumulate(weight, total, completes, slot)
         if completes:
             self._scratch.clear()  # the stage's gradients are complete: no buffer outlives its W's
         deferred.clear()
 
     @staticmethod
-    def _accumulate(weight: torch.Tensor, grad: torch.Tensor, completes: bool) -> None:
+    def _accumulate(weight: torch.Tensor, grad: torch.Tensor, completes: bool, slot: GradSlot | None) -> None:
         if completes:
             torch.autograd.backward([weight], [grad])
-        elif weight.grad is None:
-            weight.grad = grad  # a fresh product, owned, as autograd's first accumulation keeps it
-        else:
+        elif weight.grad is not None:
             weight.grad.add_(grad)
+        else:
+            into = _first_slot(weight, completes, slot)
+            # a fresh product, owned, as autograd's first accumulation keeps it; or copied into the holder's slot
+            weight.grad = grad if into is None else into.copy_(grad)
+
+
+def _first_slot(weight: torch.Tensor, completes: bool, slot: GradSlot | None) -> torch.Tensor | None:
+    """Where an earlier W writes ``weight``'s first gradient of the step: its holder's slot. The stage's last W
+    accumulates through autograd, whose hook hands the gradient to the holder itself."""
+    if completes or weight.grad is not None or slot is None:
+        return None
+    return slot(weight)
 
 
 WEIGHT_GRADS = WeightGradStore()

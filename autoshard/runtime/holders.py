@@ -11,6 +11,7 @@ share one holder; tensor parallelism only changes the tensors it is given):
     masters             the tensors the optimizer steps: None (the parameters themselves) or fp32 shards
     after_step()        write the update back into the parameters the graphs read
     full_values()       every held parameter whole along dp (a collective); load_values() the converse
+    grad_slot(param)    where a zero-bubble W, outside autograd, writes a weight's first gradient of a step
 
 ReplicatedHolder is data parallelism (DDP's bucketed all-reduce overlapped with backward);
 ShardedHolder is ZeRO-1/2 (reduce-scatter, sharded optimizer step, all-gather); runtime/zero.py
@@ -36,12 +37,9 @@ __all__ = ["Groups", "Holder", "InOrderLauncher", "Masters", "ReplicatedHolder",
 
 
 class InOrderLauncher:
-    """Counts gradient arrivals per armed group and launches complete groups, strictly in ``order``.
-
-    Arrivals come from post-accumulate-grad hooks; a group not armed yet (an earlier microbatch)
-    ignores them. Every dp rank runs the same schedule, so every rank launches the same collectives
-    in the same order.
-    """
+    """Counts gradient arrivals per armed group and launches complete groups, strictly in ``order``. Arrivals
+    come from post-accumulate-grad hooks; a group not armed yet (an earlier microbatch) ignores them. Every dp
+    rank runs the same schedule, so every rank launches the same collectives in the same order."""
 
     def __init__(self, order: list[int], params_of: dict[int, list[nn.Parameter]], launch: Callable[[int], None]):
         self.order = order
@@ -134,6 +132,7 @@ class Holder:
     def arm(self, stage: int) -> None: ...
     def end(self) -> None: ...
     def after_step(self) -> None: ...
+    def grad_slot(self, param: torch.Tensor) -> torch.Tensor | None: ...  # None: W's first gradient is kept fresh
 
     def grad_views(self, select: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -225,6 +224,13 @@ class ReplicatedHolder(Holder):
         view.copy_(param.grad)
         param.grad = view
         self.filled.add(id(param))
+
+    def grad_slot(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Where a zero-bubble W writes ``param``'s first gradient of a step, outside autograd: its bucket view."""
+        if self.launcher.group_of[id(param)] in self.in_graph:  # a compiled backward's bucket: no view to write
+            return None
+        self.filled.add(id(param))  # the caller writes the gradient there
+        return self.view_of[id(param)]
 
     def _zero_unfilled(self, g: int) -> None:
         """Slots no gradient reached this step (a parameter frozen since) hold an earlier step's: zeros go into the

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.pipeline import PipelineChannel
-from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, DeferredWeightGrad
+from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, DeferredWeightGrad, GradSlot
 from autoshard.ir.meta import TensorShape, evaluate_expr
 from autoshard.passes.pipeline_stages import StageGraph
 from autoshard.spec.schedules import Action, Schedule
@@ -136,6 +136,7 @@ class PipelineRunner:
         before_action: Callable[[Action], None] | None = None,
         calls: dict[int, Callable[..., Any]] | None = None,
         arm_at_last_w: bool = False,
+        grad_slot: GradSlot | None = None,
     ) -> None:
         """``peer(stage)``: the global rank running ``stage`` in this rank's pipeline.
 
@@ -144,8 +145,10 @@ class PipelineRunner:
         ``before_action``: called before each action runs (the runtime tells single-device dropout masks
         the microbatch); ``calls``: what runs each stage's graph (torch.compile's wrapper of it; default
         the graph itself); ``arm_at_last_w``: where backward is split, arm a stage's reduction before its last
-        W rather than its last B (ZeRO-3, whose reduce-scatter sums what was added until then: once a step).
+        W rather than its last B (ZeRO-3, whose reduce-scatter sums what was added until then: once a step);
+        ``grad_slot``: the holder's place for a weight's first gradient of a step (``Holder.grad_slot``).
         """
+        self.grad_slot = grad_slot
         self.splits = schedule.splits_backward  # B holds weight gradients back for W
         self.arm_at_last_w = arm_at_last_w and self.splits
         self.before_action = before_action or (lambda action: None)
@@ -276,7 +279,7 @@ class PipelineRunner:
                     deferred = held_back.pop((action.stage, action.microbatch))
                     if i in self.final_w and self.arm_at_last_w:
                         before_final_backward(action.stage)
-                    WEIGHT_GRADS.apply(deferred, completes=i in self.final_w)
+                    WEIGHT_GRADS.apply(deferred, completes=i in self.final_w, slot=self.grad_slot)
                 else:
                     if i in self.final_backward and not self.arm_at_last_w:
                         before_final_backward(action.stage)

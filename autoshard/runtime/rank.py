@@ -301,6 +301,7 @@ class RankRuntime:
             before_action=lambda action: self.at_microbatch(action.microbatch),
             calls=self.calls,
             arm_at_last_w=self.plan.zero == 3,
+            grad_slot=self.holder.grad_slot,
         )
 
     # ---- one step -------------------------------------------------------------------------------
