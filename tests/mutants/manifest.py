@@ -1102,4 +1102,19 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "tied_weight_on_one_rank",
     },
+    {
+        "name": "149_w_keeps_a_fresh_first_gradient",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": "an earlier W keeps a weight's first gradient of the step as a fresh tensor beside its bucket until the "
+        "stage's last W: a weight's bytes a weight held",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "first_gradient_into_its_bucket",
+    },
+    {
+        "name": "150_a_slot_written_by_w_counts_as_unfilled",
+        "file": "autoshard/runtime/holders.py",
+        "why": "the bucket slot a W wrote is not marked filled, so it is zeroed before the all-reduce",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "first_gradient_into_its_bucket or matches_single_device",
+    },
 ]
