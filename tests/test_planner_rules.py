@@ -105,6 +105,25 @@ def test_a_tied_weight_on_one_rank_is_held_once(gpt2) -> None:
         assert tied > 0 and held == whole + copies * tied, (plan.schedule, held, whole, tied)
 
 
+def test_a_split_backwards_w_is_the_weight_gradients_and_recomputation_is_bs(gpt2) -> None:
+    """W is what the stage's deferred matmuls cost for their weights' gradients: a share of backward, the same
+    with full recomputation as without (the forward a region repeats runs in B, before the input gradients)."""
+    from autoshard.planner.simulate import costs
+
+    def stages(recompute: str) -> tuple[_Stage, ...]:
+        plan = Plan(pp=2, schedule="zb_h1", microbatches=4, recompute=recompute)
+        return tuple(costing(gpt2)._costed_stages(plan, 2, 1.0))
+
+    plain, again = stages("none"), stages("full")
+    for s, r in zip(plain, again):
+        assert 0 < s.weight_grad < s.backward and s.weight_grad == pytest.approx(r.weight_grad)
+        assert r.backward - r.weight_grad == pytest.approx(s.backward - s.weight_grad + r.recompute)
+    slots = costs(again)
+    n = len(again)
+    assert slots[3 * n :] == [s.weight_grad for s in again]  # W
+    assert slots[2 * n : 3 * n] == [s.backward - s.weight_grad for s in again]  # B: the rest, recomputation too
+
+
 def test_zero3_pays_each_gather_group_its_own_collectives(gpt2) -> None:
     """ZeRO-3 gathers each layer's group in forward and in backward and reduce-scatters it once: on CPU ranks,
     where those calls are synchronous, each also waits for the last rank to arrive (``sync_wait``)."""

@@ -31,6 +31,10 @@ class Cost:
     backward: float
     send: float = 0.0
 
+    @property
+    def weight_grad(self) -> float:  # W: half the backward, as much as B
+        return self.backward / 2
+
 
 @given(st.integers(1, 6), st.integers(1, 12))
 def test_zb_h1_is_valid_and_holds_at_most_what_1f1b_holds_on_its_first_rank(pp: int, m: int) -> None:

@@ -232,7 +232,7 @@ class Costing:
         for names in cut_names:
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
-            kept = transient = boundary = grads_in_flight = held_for_w = 0.0
+            kept = transient = boundary = grads_in_flight = held_for_w = weight_grad = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
                 layer = next(block_iter) if name.startswith("block") else name
@@ -245,6 +245,7 @@ class Costing:
                 f += count * (slowdown * times.forward + times.tp_forward)
                 b += count * (slowdown * times.backward + times.tp_backward + again)
                 r += count * again
+                weight_grad += count * slowdown * times.weight_grad
                 tp += count * (times.tp_forward + times.tp_backward)
                 params += count * part.param_bytes
                 elements += count * part.param_elements
@@ -280,7 +281,7 @@ class Costing:
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
                              expert_params, expert_elements, ep, ring, grads_in_flight, held_for_w, frozenset(names),
-                             tuple((t, *c) for t, c in copies.items())))  # fmt: skip
+                             tuple((t, *c) for t, c in copies.items()), weight_grad))  # fmt: skip
         return out
 
     def _data_parallel(

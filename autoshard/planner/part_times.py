@@ -36,6 +36,7 @@ class Work:
     nbytes: sympy.Expr  # read and written in forward
     grad: bool  # backward runs for it
     kernel: bool  # launches a kernel (views and bookkeeping do not)
+    deferred: bool = False  # a matmul of a trainable weight: its weight gradient is a split backward's W
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class PartTimes:
     tp_forward: float
     tp_backward: float
     by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
+    weight_grad: float = 0.0  # of backward: the deferred matmuls' weight gradients, accumulated (a split's W)
 
     def recompute(self, part: PartAtDegree, choice: str) -> float:
         """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
@@ -85,7 +87,8 @@ def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
 def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: torch.dtype) -> PartTimes:
     """One microbatch of ``part`` at ``sizes`` (B: its rows) on one rank of ``hw``, its tensors ``dtype``."""
     every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
-    forward = backward = 0.0
+    forward = backward = weight_grad = 0.0
+    grad_bytes = part.param_bytes / max(1, part.param_elements)  # a gradient's element: its parameter's
     by_name: dict[str, float] = {}
     for w in part.works:
         if not (w.kernel or every_kernel):
@@ -96,6 +99,9 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             f = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
             flops_bwd = value(w.flops_bwd, sizes)
             b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
+            if w.deferred:  # the weight's gradient: a matmul of the forward's size, added into .grad (n x k)
+                weight_grad += hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
+                weight_grad += hw.memory_seconds(3 * dims[1] * dims[2] * grad_bytes, kernels=0)
         else:
             f = hw.memory_seconds(nbytes if w.kernel else 0.0)
             b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0
@@ -112,4 +118,4 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
         if c.backward:
             tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
-    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name)
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward))

@@ -4,9 +4,9 @@ A schedule (autoshard/spec/schedules.py) becomes an integer table once; each sim
 actions in order on every rank, an action starting when its rank is free and what it needs has arrived
 (the producing action's end, plus the send between stages when they sit on different ranks).
 
-Where a schedule splits backward, B (input gradients) and W (weight gradients) each take half of the
-stage's backward: a matmul's backward is two matmuls of its forward's size, one for each. (B also holds
-the non-matmul work and attention's activation-by-activation matmuls, so W's true share is somewhat less.)
+Where a schedule splits backward, W takes what the stage's deferred matmuls' weight gradients cost (each a
+matmul of its forward's size, and the sum into ``.grad``) and B the rest of its backward: the input
+gradients, the non-matmul work, attention's activation-by-activation matmuls and any recomputation.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class StageCost(Protocol):
     forward: float
     backward: float
     send: float
+    weight_grad: float  # of backward: the weight gradients a split backward's W computes
 
 
 @functools.lru_cache(maxsize=512)
@@ -89,9 +90,10 @@ def labels(schedule: Schedule) -> tuple[str, ...]:
 
 
 def costs(stages: tuple[StageCost, ...]) -> list[float]:
-    """Seconds per cost slot: each stage's forward, backward, and its backward's B and W halves."""
+    """Seconds per cost slot: each stage's forward, backward, and its backward's B and W."""
     backward = [s.backward for s in stages]
-    return [s.forward for s in stages] + backward + [b / 2 for b in backward] + [b / 2 for b in backward]
+    w = [s.weight_grad for s in stages]
+    return [s.forward for s in stages] + backward + [b - x for b, x in zip(backward, w)] + w
 
 
 def _order(rows: list[tuple[tuple[int, int, int, int, int], ...]], count: int) -> tuple[tuple[int, ...], ...]:

@@ -35,6 +35,7 @@ class Stage:
     # tied parameters it reads whose owner part runs elsewhere, counted in params as a copy: (name, owner part,
     # bytes, elements); no copy where the owner is another stage of the same rank (zbv's first and last)
     tied_copies: tuple[tuple[str, str, int, int], ...] = ()
+    weight_grad: float = 0.0  # of backward: what a split backward's W computes, one microbatch
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
