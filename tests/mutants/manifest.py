@@ -1117,4 +1117,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "first_gradient_into_its_bucket or matches_single_device",
     },
+    {
+        "name": "151_w_is_half_the_backward",
+        "file": "autoshard/planner/simulate.py",
+        "why": "the planner's W takes half of each stage's backward, a recomputing stage's repeated forward included",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "split_backwards_w",
+    },
 ]
