@@ -13,6 +13,9 @@ the measured Hardware, so ``program.plan_report.chosen`` is the cost model's pre
 plan. Measured: the fastest of warm steps (all ranks in step, the plans in turn); peak memory: the tensors the
 rank holds before a step (parameters, gradients, optimizer state, masters) plus the profiler's allocation peak
 during one step (the CPU analog of ``torch.cuda.max_memory_allocated``), on the most loaded rank.
+A pipeline's bubble: its ranks' span in the step (from the barrier before it, on the machine's one clock)
+less the busiest rank's seconds in its actions, against the planner's bubble and sends' share, which it
+counts the same way (the makespan less the busiest rank's work).
 The ranks calibrate again amid the rounds (this machine's speed drifts by tens of percent over minutes);
 the table's predictions are the calibration's that saw the machine fastest, chosen by its predictions
 alone, and every calibration's errors are printed (``PLANNER_RUN_JSON=path`` also saves them with the
@@ -155,7 +158,8 @@ def _measure_rank(rank: int, world: int, steps: int, workload: str = "gpt") -> l
     # machine does only ever adds to a step (Hardware.measure() times the same way), and its drift over the
     # minutes this takes falls on every plan alike instead of on the plans measured at that moment.
     times: list[list[float]] = [[] for _ in runs]
-    idle: list[list[float]] = [[] for _ in runs]  # pipelines: this rank's seconds outside its actions, each round
+    # pipelines, each round: this rank's (start, end, seconds in its actions), on the machine's monotonic clock
+    spans: list[list[tuple[float, float, float]]] = [[] for _ in runs]
     calibrations = [hardware]
     for round_ in range(steps):
         if round_ in CALIBRATE_BEFORE:  # calibrated again amid the rounds: the machine as they saw it
@@ -168,17 +172,18 @@ def _measure_rank(rank: int, world: int, steps: int, workload: str = "gpt") -> l
             _step(program, local)
             times[i].append(time.perf_counter() - start)
             stats = program.pipeline_stats
-            idle[i].append(0.0 if stats is None else stats.step_seconds - stats.busy_seconds)
+            spans[i].append((0.0, 0.0, 0.0) if stats is None else
+                            (stats.started_at, stats.started_at + stats.step_seconds, stats.busy_seconds))  # fmt: skip
     rows = []
-    for (name, program, local), seconds, waited, (_, mesh, _) in zip(runs, times, idle, work.plans):
+    for (name, program, local), seconds, waited, (_, mesh, _) in zip(runs, times, spans, work.plans):
         held = _held(program)
         peak = held + _peak_allocated(lambda p=program, local=local: _step(p, local))
         chosen = program.plan_report.chosen
         rows.append({
             "name": name, "plan": str(program.plan), "predicted": chosen.step_time,
-            "measured": min(seconds), "rounds": seconds, "idle": waited, "predicted_bytes": chosen.memory.total,
-            "peak_bytes": peak, "why": chosen.why, "time": str(chosen.time), "bubble": chosen.time.bubble,
-            "hardware": hardware.to_json(),
+            "measured": min(seconds), "rounds": seconds, "spans": waited, "predicted_bytes": chosen.memory.total,
+            "peak_bytes": peak, "why": chosen.why, "time": str(chosen.time),
+            "bubble": chosen.time.bubble + chosen.time.pp_comm, "hardware": hardware.to_json(),
             "fixed": program.plan, "mesh": mesh, "calibrations": [h.to_json() for h in calibrations],
         })  # fmt: skip
     return rows
@@ -220,10 +225,13 @@ def _compare(workload: str, steps: int) -> dict[str, Any]:
         row["measured"] = max(r[i]["measured"] for r in per_rank)
         row["peak_bytes"] = max(r[i]["peak_bytes"] for r in per_rank)
         row["rounds"] = [max(each) for each in zip(*(r[i]["rounds"] for r in per_rank))]  # the slowest rank's
-        # The bubble as the planner counts it, on the rank that computes the most (it idles the least), in
+        # The bubble as the planner counts it: the pipelines' span (every rank's from the barrier before the
+        # step, one clock for the machine's ranks) less the busiest rank's seconds in its actions, in
         # the round where the step was fastest.
         fastest_round = min(range(len(row["rounds"])), key=row["rounds"].__getitem__)
-        row["idle"] = min(r[i]["idle"][fastest_round] for r in per_rank)
+        spans = [r[i]["spans"][fastest_round] for r in per_rank]
+        span = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+        row["measured_bubble"] = span - max(busy for *_, busy in spans)
         rows.append(row)
     # The machine's speed drifts by tens of percent over minutes, and each calibration sees it at one moment,
     # while the measured steps are the fastest of rounds spread over the run. So the ranks calibrate
@@ -249,7 +257,7 @@ def _compare(workload: str, steps: int) -> dict[str, Any]:
               f"{_spearman(times, measured):.3f}, errors {errors}")  # fmt: skip
     for row, chosen in zip(rows, predicted[fastest]):
         row.update(predicted=chosen.step_time, predicted_bytes=chosen.memory.total, time=str(chosen.time))
-        row["bubble"] = chosen.time.bubble
+        row["bubble"] = chosen.time.bubble + chosen.time.pp_comm  # the sends' share of the idle time too
         row["hardware"] = rows[0]["calibrations"][fastest]
     print(f"\n| plan | predicted ms | measured ms | error | predicted MiB | peak MiB | error |\n|{'---|' * 7}")
     for r in rows:
@@ -261,10 +269,13 @@ def _compare(workload: str, steps: int) -> dict[str, Any]:
         )
     pipelines = [r for r in rows if "pp" in r["mesh"]]
     if pipelines:
-        print(f"\n| pipeline | predicted bubble ms | measured idle ms (least idle rank) | error |\n|{'---|' * 4}")
+        print(
+            f"\n| pipeline | predicted bubble + sends ms | measured span less the busiest rank's busy ms | error |"
+            f"\n|{'---|' * 4}"
+        )
     for r in pipelines:
-        print(f"| {r['name']} | {r['bubble'] * 1e3:.1f} | {r['idle'] * 1e3:.1f} | "
-              f"{r['bubble'] / max(r['idle'], 1e-9) - 1:+.0%} |")  # fmt: skip
+        print(f"| {r['name']} | {r['bubble'] * 1e3:.1f} | {r['measured_bubble'] * 1e3:.1f} | "
+              f"{r['bubble'] / max(r['measured_bubble'], 1e-9) - 1:+.0%} |")  # fmt: skip
     for r in rows:
         print(f"  {r['name']}: predicted {r['time']}")
     print(f"  hardware (calibration {fastest}): {rows[0]['hardware']}")
