@@ -248,7 +248,9 @@ def _gradients_outside_their_buckets(rank: int, world_size: int, mesh: dict[str,
     return strays
 
 
-@pytest.mark.parametrize(("mesh", "schedule"), [({"pp": 2}, "zb_h1"), ({"dp": 2, "pp": 2}, "zbv")])
+@pytest.mark.parametrize(
+    ("mesh", "schedule"), [({"pp": 2}, "zb_h1"), pytest.param({"dp": 2, "pp": 2}, "zbv", marks=pytest.mark.slow)]
+)
 def test_a_w_writes_a_weights_first_gradient_into_its_bucket(ranks, mesh: dict[str, int], schedule: str) -> None:
     """Data parallel buckets hold the gradients: a W that ran before the stage's last keeps no weight-sized
     tensor of its own beside the bucket (a step's peak would grow by a weight a weight, 4.3x 1F1B's at pp2)."""
