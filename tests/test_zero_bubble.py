@@ -167,6 +167,28 @@ def test_a_deferring_matmul_equals_the_op_and_its_gradients_exactly(kind: str, a
         assert torch.equal(g, e)
 
 
+def test_an_earlier_w_adds_into_the_gradient_with_no_product_of_its_own() -> None:
+    """A W that does not complete its stage adds a@b into ``.grad`` in one fused multiply-add: bit for bit the
+    product then the sum (fp32), with nothing of the weight's size allocated (a product, then an add, would
+    cost a write and a read of it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(256, 128))
+    x = torch.randn(4, 128)
+    with WEIGHT_GRADS.collect() as deferred:
+        matmul_deferring_weight_grad("linear", x, weight).backward(torch.randn(4, 256))
+    factors = deferred[0].factors()
+    weight.grad = torch.randn(256, 128)
+    expected = weight.grad + factors[0].mm(factors[1])
+    grad = weight.grad
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        WEIGHT_GRADS.apply(deferred, completes=False)
+    allocated = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert weight.grad is grad and torch.equal(grad, expected)
+    assert max(allocated, default=0) < weight.numel() * weight.element_size()
+
+
 # (family, mesh, plan, layers): the schedules' edge cases: tied embedding across four stages, dp with
 # ZeRO's reduce-scatter after the last W, tp collectives inside B, recomputed regions replayed in B.
 ZB_RUNS = {

@@ -46,6 +46,24 @@ class DeferredWeightGrad:
     grad_output: torch.Tensor
     gathered: tuple[Any, int, int] | None = None  # ZeRO-3: (runtime, group, index) of the gathered parameter
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) with the weight's gradient a @ b, recording no graph (the gradient is a value)."""
+        x = self.inputs.reshape(-1, self.inputs.shape[-1])
+        g = self.grad_output.reshape(-1, self.grad_output.shape[-1])
+        a, b = (g.t(), x) if self.kind == "linear" else (x.t(), g)
+        return a.detach(), b.detach()
+
+    def add_into(self, grad: torch.Tensor) -> bool:
+        """Add the weight's gradient to ``grad`` in one fused multiply-add (addmm_: no product of its own, which
+        would cost a write and a read of the weight's size: a 4096x1024 weight's update from 32-row factors
+        takes 1.4 ms fused against 2.4 ms as a product then an add, one CPU thread); False where the factors'
+        dtype is not the gradient's (under autocast), which the caller then computes and casts."""
+        a, b = self.factors()
+        if a.dtype != grad.dtype:
+            return False
+        grad.addmm_(a, b)
+        return True
+
     def compute(
         self, scratch: dict[tuple, torch.Tensor] | None = None, into: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -54,13 +72,10 @@ class DeferredWeightGrad:
         allocation a matmul costs page faults that can take longer than the matmul itself (a 4096x1024
         weight's product of 32-row factors: 3.4 ms fresh against 1.8 ms reused, one CPU thread). With
         ``into`` (the weight's gradient slot), it is written there."""
-        x = self.inputs.reshape(-1, self.inputs.shape[-1])
-        g = self.grad_output.reshape(-1, self.grad_output.shape[-1])
-        a, b = (g.t(), x) if self.kind == "linear" else (x.t(), g)
-        a, b = a.detach(), b.detach()  # W records no graph: the gradient is a value
+        a, b = self.factors()
         if into is not None:
-            return torch.mm(a, b, out=into) if x.dtype == into.dtype else into.copy_(a.mm(b))
-        if scratch is None or x.dtype != self.weight.dtype:
+            return torch.mm(a, b, out=into) if a.dtype == into.dtype else into.copy_(a.mm(b))
+        if scratch is None or a.dtype != self.weight.dtype:
             return a.mm(b).to(self.weight.dtype)
         key = (self.weight.dtype, self.weight.device)
         flat = scratch.get(key)
@@ -108,8 +123,8 @@ class WeightGradStore:
         weight (a weight read twice is summed first, as autograd sums before it accumulates). ``completes``:
         whether this is the stage's last W. Its accumulations go through autograd, one backward call a
         weight, so that each parameter's gradient hook fires once, with every contribution in: they are the
-        gradients' arrivals. An earlier W's are no arrival, so it adds in place, as autograd's accumulation
-        does, and fires no hook; a weight's first gradient of the step goes where ``slot(weight)`` says its
+        gradients' arrivals. An earlier W's are no arrival, so it adds in place (a fused multiply-add,
+        ``add_into``) and fires no hook; a weight's first gradient of the step goes where ``slot(weight)`` says its
         holder keeps it (a gradient bucket's view), else it is the fresh product, kept until the stage's
         last W hands it to the holder: a weight's worth of bytes a weight in the meantime."""
         if not deferred:
@@ -133,6 +148,8 @@ class WeightGradStore:
                 if into is not None:
                     item.weight.grad = item.compute(into=into)
                     continue
+                if not completes and item.weight.grad is not None and item.add_into(item.weight.grad):
+                    continue  # an earlier W: into .grad in place, as autograd's accumulation would add it
                 reuse = item.weight.grad is not None  # a first gradient is kept, so it is a fresh tensor
                 self._accumulate(item.weight, item.compute(self._scratch if reuse else None), completes, slot)
                 continue
