@@ -1,4 +1,5 @@
-"""Zero-bubble pipelines: split each stage's backward into B (input gradients) and W (weight gradients).
+"""Zero-bubble pipelines: split each stage's backward into B (input gradients) and W (weight gradients);
+in any other eager pipeline, B adds the weight gradients into ``.grad`` in place.
 
 Reads:  autoshard.shape (get_attr nodes, and ZeRO-3's gathered views: which are trainable parameters)
 Writes: nothing (replaces matmul nodes; the new node keeps the old node's meta)
@@ -14,11 +15,14 @@ After::
 
 The new op computes what the old one did; in its backward the gradient of ``x`` (and of the bias)
 comes at once and that of ``w`` waits for the schedule's W when a pipeline's B collects them
-(autoshard/graph_ops/weight_grad.py). Rewritten: ``linear``, ``addmm`` (without beta or alpha) and
-``mm`` whose weight is a trainable parameter that only such matmuls read in this graph; a parameter
-read by anything else (an embedding and a tied output projection in one stage), or by another stage
-of the same rank, keeps its gradient in B, so that each parameter's gradient arrives whole in one
-place. What W leaves out (biases, norms, embeddings) is small next to the matmuls it takes.
+(autoshard/graph_ops/weight_grad.py). A schedule with no W (GPipe, 1F1B, interleaved) collects them too,
+run eagerly: its B ends by adding them into ``.grad`` as W does, one fused multiply-add a weight, where
+autograd would write each microbatch's product to a fresh tensor and add it (runtime/pipeline.py).
+Rewritten: ``linear``, ``addmm`` (without beta or alpha) and ``mm`` whose weight is a trainable parameter
+that only such matmuls read in this graph; a parameter read by anything else (an embedding and a tied
+output projection in one stage), or by another stage of the same rank, keeps its gradient in B, so that
+each parameter's gradient arrives whole in one place. What W leaves out (biases, norms, embeddings) is
+small next to the matmuls it takes.
 """
 
 from __future__ import annotations

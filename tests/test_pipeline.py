@@ -83,6 +83,9 @@ def check_pipeline(ranks, family: str, config: str) -> None:
             "zb_h2": min(m, 2 * pp - 1),
         }[plan["schedule"]]
         assert result["peak_in_flight"] == expected, (rank, result["peak_in_flight"], expected)
+        # An eager stage's B adds its matmuls' weight gradients into .grad in place, every microbatch's
+        # (a fused multiply-add each: runtime/pipeline.py), where a zero-bubble schedule's W would.
+        assert result["weight_grads_deferred"] >= m, result["weight_grads_deferred"]
         # Each stage ran on microbatches of the dp rank's rows, not on its whole batch.
         rows = result["microbatch_sizes"]["B"]
         assert rows == 8 // mesh.get("dp", 1) // m

@@ -271,11 +271,17 @@ def _gradients_outside_their_buckets(rank: int, world_size: int, mesh: dict[str,
 
 
 @pytest.mark.parametrize(
-    ("mesh", "schedule"), [({"pp": 2}, "zb_h1"), pytest.param({"dp": 2, "pp": 2}, "zbv", marks=pytest.mark.slow)]
+    ("mesh", "schedule"),
+    [
+        ({"pp": 2}, "zb_h1"),
+        ({"pp": 2}, "1f1b"),
+        pytest.param({"dp": 2, "pp": 2}, "zbv", marks=pytest.mark.slow),
+    ],
 )
 def test_a_w_writes_a_weights_first_gradient_into_its_bucket(ranks, mesh: dict[str, int], schedule: str) -> None:
     """Data parallel buckets hold the gradients: a W that ran before the stage's last keeps no weight-sized
-    tensor of its own beside the bucket (a step's peak would grow by a weight a weight, 4.3x 1F1B's at pp2)."""
+    tensor of its own beside the bucket (a step's peak would grow by a weight a weight, 4.3x 1F1B's at pp2);
+    nor does an eager 1F1B's B, which adds its weight gradients itself as W would."""
     world = mesh.get("dp", 1) * mesh["pp"]
     for strays in ranks(world).run(_gradients_outside_their_buckets, mesh, schedule):
         assert not strays, strays[:5]

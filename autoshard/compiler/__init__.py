@@ -92,7 +92,7 @@ def compile(  # noqa: A001 - the public name of the compiler entry point
     template, opt_groups = checks.optimizer_template(optimizer, model, chosen)
     build = Build(
         captured.gm, chosen, captured.example_sizes, hardware.kernels, captured.model_name, opt_groups,
-        schedule=schedule,
+        schedule=schedule, eager=request is None,
     )  # fmt: skip
     run_steps(STEPS, build)
     log.info("plan %s: %s", chosen, report.reason)

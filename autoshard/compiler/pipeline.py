@@ -14,7 +14,8 @@ pass manager (passes/infra.py ``run_steps``) runs them and logs each result:
     pipeline_stages               pp > 1: one graph a stage, its boundaries recv and send nodes
     and on each graph (each stage's):
       zero3_gather_free           ZeRO-3: gather a layer's parameters before use, free them after
-      weight_grad_split           a zero-bubble schedule: matmuls hold their weight gradients for W
+      weight_grad_split           a zero-bubble schedule: matmuls hold their weight gradients for W; any
+                                  other eager pipeline: B adds them into .grad in place (runtime/pipeline.py)
       recompute                   the plan's recomputation regions
       saved_tensors               what autograd keeps for backward (explain(), the report)
 """
@@ -66,6 +67,7 @@ class Build:
     schedule: Schedule | None = None  # the pipeline's (None without one)
     experts: ExpertSplit = field(default_factory=ExpertSplit)  # the expert weights that ep splits
     cp_report: CpReport | None = None
+    eager: bool = True  # the rank graphs run as they are (no torch.compile)
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs the per-graph steps run on: each stage's once the graph is cut, else the whole."""
@@ -162,7 +164,8 @@ STEPS: tuple[Step[Build], ...] = (
     Step(passes.pipeline_stages.PASS, lambda b: b.plan.pp > 1, _pipeline_stages),
     Step(passes.zero3_gather_free.PASS, lambda b: b.plan.zero == 3,
          lambda b, gm: run_pass(passes.zero3_gather_free.PASS, gm), per_graph=True),
-    Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan), _weight_grad_split, per_graph=True),
+    Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan) or (b.plan.pp > 1 and b.eager),
+         _weight_grad_split, per_graph=True),
     Step(passes.recompute.PASS, lambda b: True,
          lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute, b.kernels, b.sizes), per_graph=True),
     Step(passes.saved_tensors.PASS, lambda b: True, _saved_tensors, per_graph=True),
