@@ -157,7 +157,8 @@ class PipelineRunner:
         self.splits = schedule.splits_backward  # B holds weight gradients back for W
         # Stage graphs with deferring matmuls under a schedule with no W (an eager pipeline): each B adds its
         # weight gradients itself, into .grad in place (WEIGHT_GRADS.apply: one fused multiply-add a weight,
-        # no product of the weight's size allocated, written and added: 1F1B's step 0.80x on the pipeline bench).
+        # no product of the weight's size allocated, written and added), before it sends: moving them after the
+        # send would be another schedule (1F1B with a W after each B, which a custom schedule can ask for).
         self.fused = not self.splits and any(
             node.target is matmul_deferring_weight_grad for io in stages.values() for node in io.gm.graph.nodes
         )
@@ -306,6 +307,11 @@ class PipelineRunner:
                                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     if deferred is not None and self.splits:
                         held_back[(action.stage, action.microbatch)] = deferred
+                    elif deferred is not None:  # fused, before the send: B is whole, as the schedule's name says
+                        if i in self.final_backward and self.arm_at_last_w:
+                            before_final_backward(action.stage)
+                        completes = i in self.final_backward
+                        WEIGHT_GRADS.apply(deferred, completes=completes, slot=self.grad_slot)
                     if action.stage > 0:
                         grads = [
                             t.grad if t.grad is not None else torch.zeros_like(t)
@@ -313,11 +319,6 @@ class PipelineRunner:
                             if s.requires_grad
                         ]
                         self._send(grads, action.stage - 1, action.stage - 1, True, action.microbatch)
-                    if deferred is not None and self.fused:  # after the send: the stage before starts meanwhile
-                        if i in self.final_backward and self.arm_at_last_w:
-                            before_final_backward(action.stage)
-                        completes = i in self.final_backward
-                        WEIGHT_GRADS.apply(deferred, completes=completes, slot=self.grad_slot)
             ended = time.perf_counter()
             stats.busy_seconds += ended - began
             stats.events.append((str(action), began - start, ended - start))

@@ -1124,4 +1124,26 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "split_backwards_w",
     },
+    {
+        "name": "152_an_earlier_w_adds_through_a_product",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": "an earlier W writes a product of the weight's size and adds it, not one fused multiply-add",
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "earlier_w_adds_into",
+    },
+    {
+        "name": "153_an_eager_b_leaves_weight_gradients_to_autograd",
+        "file": "autoshard/runtime/pipeline.py",
+        "why": "an eager 1F1B's B lets autograd accumulate (a fresh product, then an add) though its matmuls defer",
+        "tests": ["tests/test_pipeline.py"],
+        "k": "pipeline_matches_single_device",
+    },
+    {
+        "name": "154_zero3_fused_b_armed_before_its_backward",
+        "file": "autoshard/runtime/pipeline.py",
+        "why": "under ZeRO-3 an eager pipeline's last B arms the reduce-scatter before B, which then adds its weight "
+        "gradients after the layer was reduce-scattered",
+        "tests": ["tests/test_compose.py"],
+        "k": "tied_across_stages",
+    },
 ]
