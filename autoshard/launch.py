@@ -151,10 +151,10 @@ class LocalRanks:
 
     ``pin`` (CPU ranks): where every rank can have ``threads`` cores of its own, each rank's process (its
     compute threads and gloo's) stays on its cores. Unpinned, ranks sharing cores with each other's gloo
-    threads can fall into a state where posting a receive waits a scheduler tick, 4-6 ms (gloo's thread holds
-    the connection's lock and waits for a core): 2 ranks on 2 cores, in some pools every receive of one rank
-    (13 of a zbv step's 13), in others none; pinned, none over 0.15 ms. With more ranks than cores nothing is
-    pinned.
+    threads can fall into a state where posting a receive waits a scheduler tick, 4-6 ms (most likely on
+    gloo's thread, which takes the connection's lock too, waiting for a core): 2 ranks on 2 cores, in some
+    pools every receive of one rank (13 of a zbv step's 13), in others none; pinned, none over 0.15 ms. With
+    more ranks than cores nothing is pinned.
     """
 
     def __init__(

@@ -7,9 +7,11 @@ is collecting (``WEIGHT_GRADS.collect()``): then it keeps the two factors of tha
 matmul's input and its output's gradient) and returns none, and the schedule's W for that stage and
 microbatch computes them later (``apply``) and adds them into ``.grad``: the stage's last W through
 autograd, so that the gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see the completed gradients
-arrive as they see any other, the earlier W's in place. Under ZeRO-3 the
-weight is a view of its layer's gather; W needs no gathered value (the gradient is the product of the
-two factors) and adds into the layer's flat gradient as the gather's backward does.
+arrive as they see any other, the earlier W's in place (one fused multiply-add a weight). A pipeline
+whose schedule has no W (GPipe, 1F1B, run eagerly) collects too and applies them at the end of each B, for
+that in-place add. Under ZeRO-3 the weight is a view of its layer's gather; W needs no gathered value (the
+gradient is the product of the two factors) and adds into the layer's flat gradient as the gather's backward
+does.
 
 Under autocast the op runs as autocast runs a matmul (its inputs cast to the autocast dtype) and its
 gradients come back in the dtypes of its inputs, as the casts' own backward returns them. Under

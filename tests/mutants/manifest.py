@@ -1141,8 +1141,8 @@ MUTANTS: list[dict] = [
     {
         "name": "154_zero3_fused_b_armed_before_its_backward",
         "file": "autoshard/runtime/pipeline.py",
-        "why": "under ZeRO-3 an eager pipeline's last B arms the reduce-scatter before B: the layer is reduce-scattered "
-        "in B and again for the weight gradients B adds after (right sums, twice the collectives)",
+        "why": "under ZeRO-3 an eager pipeline's last B arms the reduce-scatter before B: the layer is "
+        "reduce-scattered in B and again for the weight gradients B adds after (right sums, twice the collectives)",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "computes_what_1f1b_computes",
     },
