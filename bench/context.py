@@ -167,12 +167,12 @@ def _rank_step_time(rank: int, world_size: int, seq: int, steps: int, rounds: in
     return {"timings": timings, "exposed": exposed, "ring": total, "predicted": predicted}
 
 
-def _rank_memory(rank: int, world_size: int, seq: int) -> dict[str, Any]:
+def _rank_memory(rank: int, world_size: int, seq: int, attention: str) -> dict[str, Any]:
     """Bytes one forward of a rank keeps for backward: the allocator's, and the compiler's accounting."""
     ids, target = _batch(seq)
     program = autoshard.compile(
         _model(seq), autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, optimizer=_adamw,
-        example_target=target, plan={},
+        example_target=target, plan={"cp_attention": attention},
     )  # fmt: skip
     program.step(ids, target=target)  # warm: the rank's positions and the optimizer's state are made
     gm = program.runtime.graphs[0]
@@ -200,21 +200,23 @@ def _single_device_kept(seq: int) -> int:
 def bench_context(report: Callable[..., None], ranks: int = 4, seq: int = 2048, memory_seq: int = 4096) -> None:
     described = f"TinyGPT {GPT['layers']} blocks, width {GPT['dim']}, {GPT['heads']} heads, causal SDPA, one sequence"
     mib = 2**20
-    with LocalRanks(ranks) as pool:
-        memory = pool.run(_rank_memory, memory_seq)
     whole = _single_device_kept(memory_seq)
-    kept = max(r["allocator"] for r in memory)  # the rank that keeps the most
-    accounted = max(r["accounting"] for r in memory)
-    spread = min(r["allocator"] for r in memory)
-    report(
-        f"{described} of {memory_seq} tokens: activation bytes a rank keeps for backward at cp={ranks} vs one "
-        f"device (allocator, the rank keeping most; the least {spread / mib:.1f} MiB; the compiler's accounting "
-        f"says {accounted / mib:.1f} MiB, {accounted / kept:.3f} of the most)",
-        f"{kept / mib:.1f} MiB",
-        f"cp=1 {whole / mib:.1f} MiB",
-        kept / whole,
-        "<= 0.3 (accounting within 10%)",
-    )
+    for attention in ("ring", "all_to_all"):  # ring keeps a K/V block a layer more: where its backward starts
+        with LocalRanks(ranks) as pool:
+            memory = pool.run(_rank_memory, memory_seq, attention)
+        kept = max(r["allocator"] for r in memory)  # the rank that keeps the most
+        accounted = max(r["accounting"] for r in memory)
+        spread = min(r["allocator"] for r in memory)
+        report(
+            f"{described} of {memory_seq} tokens: activation bytes a rank keeps for backward at cp={ranks}, "
+            f"{attention.replace('_', '-')} attention, vs one device (allocator, the rank keeping most; the least "
+            f"{spread / mib:.1f} MiB; the compiler's accounting says {accounted / mib:.1f} MiB, "
+            f"{accounted / kept:.3f} of the most)",
+            f"{kept / mib:.1f} MiB",
+            f"cp=1 {whole / mib:.1f} MiB",
+            kept / whole,
+            "<= 0.3 (accounting within 10%)",
+        )
     with LocalRanks(ranks) as pool:
         results = pool.run(_rank_step_time, seq, 2, 4)
     step = {name: statistics.median(t for r in results for t in r["timings"][name]) for name in results[0]["timings"]}

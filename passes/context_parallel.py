@@ -120,6 +120,8 @@ class _Rewriter:
         with where:
             node = self.graph.call_function(target, args, kwargs or {})
         layer = (after or before).meta.get(LAYER, "(top)")
+        if target is cp_ops.local_tokens:  # this rank's tokens: 1/cp of the value along the split dimension
+            shape = NodeShape((_local_sizes(shape.tensor, placement.dim, self.degree),))
         mark_inserted(node, shape, layer)
         node.meta[CP] = CpPlacement(placement, note=note)
         return node

@@ -172,12 +172,12 @@ def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tupl
     if target is tp_ops.vocab_parallel_cross_entropy:  # the local softmax; the target, a row index, two masks
         logits, rows = get_shape(node.args[1]).tensor, get_shape(node.args[2]).tensor.numel
         return [(("own", node, 0), logits.nbytes), (node.args[2], 0), (("own", node, 1), rows * 10)]
-    if target is cp_ops.ring_attention:  # q, k, v, the mask rows, the output and its log-sum-exp (fp32 at least)
-        q, k, v = node.args[1:4]
+    if target is cp_ops.ring_attention:  # q, k, v, the mask rows, the output, its log-sum-exp (fp32 at least)
+        q, k, v = node.args[1:4]  # and the next rank's K/V block, where backward starts
         mask = node.args[4] if len(node.args) > 4 else node.kwargs.get("attn_mask")
         lse = sympy.Mul(*get_shape(q).tensor.sizes[:-1]) * 4
         kept = [(q, 0), (k, 0), (v, 0), *([(mask, 0)] if isinstance(mask, fx.Node) else []), (node, 0)]
-        return [*kept, (("own", node, 0), lse)]
+        return [*kept, (("own", node, 0), lse), (("own", node, 1), get_shape(k).nbytes + get_shape(v).nbytes)]
     if target is cp_ops.all_to_all_attention:  # SDPA's saves, of its heads over every token: as many bytes
         q, k, v = (get_shape(t).tensor for t in node.args[1:4])
         mask = node.args[4] if len(node.args) > 4 else node.kwargs.get("attn_mask")

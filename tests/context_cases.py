@@ -156,3 +156,36 @@ def pooled_gpt_cp(rank: int, world_size: int, seq: int, mesh: dict[str, int], st
     state = program.full_state_dict()
     worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) if state else 0.0
     return {"losses": losses, "expected": expected, "worst": worst, "report": str(program.compiled.cp_report)}
+
+
+def kept_against_accounting(rank: int, world_size: int, attention: str, seq: int) -> dict[str, int]:
+    """A TinyGPT forward of this rank's tokens at cp=world_size: the distinct storages autograd saves (not the
+    parameters or the inputs), and what the compiler's accounting of the rank graph says it keeps."""
+    import autoshard
+    from autoshard.models import TinyGPT, next_token_loss
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, heads=4, layers=2, max_seq=seq)
+    ids = torch.randint(0, 64, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+    ids, target = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    program = autoshard.compile(
+        model, autoshard.Mesh(cp=world_size), (ids,), loss_fn=next_token_loss, example_target=target,
+        plan={"cp_attention": attention},
+    )  # fmt: skip
+    gm = program.runtime.graphs[0]
+    held = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers(), ids, target]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in held:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = gm(ids, target)[0]
+    loss.backward()
+    ((_, memory),) = program.compiled.cost.saved_for_backward
+    return {
+        "saved": sum(saved.values()), "accounted": int(memory.evaluate(B=2, S=seq)["kept"]),
+        "unaccounted": list(memory.unaccounted),
+    }  # fmt: skip

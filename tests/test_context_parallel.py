@@ -10,7 +10,7 @@ import torch
 from cases import build_case, compile_case, train_plan, train_single_device
 from checkpoint_cases import load_and_train, train_and_save
 from compiled_cases import train_compiled
-from context_cases import pooled_gpt_cp, ring_against_sdpa, tiny_gpt_cp
+from context_cases import kept_against_accounting, pooled_gpt_cp, ring_against_sdpa, tiny_gpt_cp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tp import assert_state_close
@@ -73,9 +73,21 @@ def test_ring_attention_equals_sdpa(ranks, world, fused) -> None:
         for case, diffs in zip(cases, rank_result):
             for name in ("out", "dq", "dk", "dv"):
                 assert diffs[name] < 1e-12, (case, name, diffs)
-            # K and V go round once forward, again backward, and their gradients once more (only K/V heads)
+            # K and V go round once forward (cp - 1 hops), backward starts on the last block forward brought
+            # and ends on its own (cp - 2), and their gradients follow them home (cp - 1; only K/V heads)
             block = 2 * case["kv_heads"] * (case["seq"] // world) * 8 * 8
-            assert diffs["ring_bytes"] == 2 * block * (2 * (world - 1) + world), case
+            assert diffs["ring_bytes"] == 2 * block * (3 * world - 4), case
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_to_all"])
+def test_what_a_cp_rank_keeps_is_what_its_accounting_says(ranks, attention) -> None:
+    """The bytes a rank's forward saves for backward (autograd's saved tensors) against passes.saved_tensors'
+    accounting of its graph: ring attention keeps, besides SDPA's saves, the K/V block its forward ended on,
+    where its backward starts; its output is token-major, as the fused kernels', so the projection after it keeps
+    a view of it; this rank's ids and targets are 1/cp of the sequence (the loss's saves are probed on them)."""
+    for result in ranks(2).run(kept_against_accounting, attention, 64):
+        assert result["accounted"] == pytest.approx(result["saved"], rel=1e-3), result
+        assert not result["unaccounted"], result
 
 
 @pytest.mark.parametrize(

@@ -109,14 +109,15 @@ class ContextParallel(UnboundContextParallel):
             self._positions[key] = chunk_positions(seq_len, rank, self.degree, device)
         return self._positions[key]
 
-    def exchange(self, tensors: list[torch.Tensor]) -> Pending:
-        """Send ``tensors`` to the next rank of the ring and receive the previous rank's, started and not waited
-        (``wait``): one message of them all (each collective has its own cost), an all-to-all in which each rank
-        sends only to the next (a functional collective, so it runs while this rank computes)."""
+    def exchange(self, tensors: list[torch.Tensor], hop: int = 1) -> Pending:
+        """Send ``tensors`` to the next rank of the ring (``hop=-1``: the previous) and receive from the rank on the
+        other side, started and not waited (``wait``): one message of them all (each collective has its own
+        cost), an all-to-all in which each rank sends only to that neighbour (a functional collective, so it runs
+        while this rank computes)."""
         flat = torch.cat([t.reshape(-1).to(tensors[0].dtype) for t in tensors])
         sends = [0] * self.degree
         receives = [0] * self.degree
-        sends[(self.rank + 1) % self.degree] = receives[(self.rank - 1) % self.degree] = flat.numel()
+        sends[(self.rank + hop) % self.degree] = receives[(self.rank - hop) % self.degree] = flat.numel()
         self.comm.count("cp_ring", flat.numel() * flat.element_size())
         started = _ops.all_to_all_single(flat, receives, sends, self.group_name)
         return Pending(started, tuple((t.shape, t.dtype) for t in tensors))

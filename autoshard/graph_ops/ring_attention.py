@@ -9,6 +9,10 @@ rank's only by this rank's second chunk of queries (torch's and Megatron's head-
 (the form Hugging Face models pass), each quarter (a chunk of queries by a chunk of keys) that the mask
 hides entirely.
 
+Backward walks the ring the other way round, from the block forward ended on (kept for it: one K/V block
+a layer) to the rank's own, so each block's gradients, which follow the block, end at its home with nothing
+left to send after the last block (torch's and Megatron's rings send the gradients one hop more, exposed).
+
 ``cp`` is the rank's context-parallel module (graph_ops/context.py): its degree, its rank, its positions,
 and ``exchange`` / ``wait`` (a lap of the ring, started, then waited where the block is needed).
 """
@@ -22,6 +26,7 @@ import torch
 
 from autoshard.errors import InputError
 from autoshard.graph_ops.graph_break import stays_eager
+from autoshard.ir.ops import TOKEN_MAJOR
 
 __all__ = ["ring_attention"]
 
@@ -146,33 +151,43 @@ class _RingAttention(torch.autograd.Function):
         degree = cp.degree
         acc = _accumulate(q)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=acc)
+        # token-major, as the fused kernels lay out theirs: the usual swap of heads and tokens after attention is
+        # a view of it (what passes/saved_tensors counts: autoshard.ir.ops.TOKEN_MAJOR)
+        out = q.new_zeros(*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1], dtype=acc).transpose(-3, -2)
         bias = _as_bias(mask, q.dtype)
         q_pos = cp.positions(seq_len, q.device)
         block = (k, v)
         for step in range(degree):
             if step + 1 < degree:  # the next block travels while this one is computed
                 pending = cp.exchange(list(block))
-            columns, kb, vb, calls = _step(cp, step, block, bias, causal, q_pos, seq_len, q.shape)
+            src = (cp.rank - step) % degree  # whose block this rank holds at this step
+            columns, kb, vb, calls = _step(cp, src, block, bias, causal, q_pos, seq_len, q.shape)
             for r, c, local_causal in calls:
                 part_out, part_lse = _block_forward(
                     q[..., r, :], kb[..., c, :], vb[..., c, :], _rows(columns, r, c), local_causal, scale
                 )
                 if step == 0 and r == slice(None):  # the rank's own block comes first: nothing to merge yet
-                    out, lse = part_out.to(acc), part_lse.to(acc)
+                    out.copy_(part_out)
+                    lse = part_lse.to(acc)
                 else:  # with is_causal alone every row saw its own key in the first block
                     _merge(out, lse, part_out, part_lse.to(acc), r, hidden_rows=bias is not None)
             if step + 1 < degree:
                 block = tuple(cp.wait(pending))
         ctx.cp, ctx.causal, ctx.scale, ctx.seq_len = cp, causal, scale, seq_len
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, result, lse)
+        # The last block the ring brought (the next rank's) is kept: backward starts on it (see backward)
+        ctx.save_for_backward(q, k, v, mask, result, lse, *block)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205 - autograd signature
+        """The blocks in the ring's other direction, from the one forward ended on (the next rank's, kept) to
+        the rank's own, last. A block's gradients follow it, so they come home with it: the partial sum of every
+        other rank arrives while this rank computes its own block's share, and no lap is left to wait for after
+        the last block (nor a K/V hop to it: the own block is here). cp - 2 K/V hops and cp - 1 gradient hops,
+        each overlapped with a block's backward."""
         cp, causal, scale, seq_len = ctx.cp, ctx.causal, ctx.scale, ctx.seq_len
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse, next_k, next_v = ctx.saved_tensors
         degree, heads, kv_heads = cp.degree, q.shape[-3], k.shape[-3]
         acc = _accumulate(q)
         grad_out = grad_out.contiguous()
@@ -180,14 +195,17 @@ class _RingAttention(torch.autograd.Function):
         q_pos = cp.positions(seq_len, q.device)
         lse = torch.where(torch.isfinite(lse), lse, 0.0).to(acc)
         grad_q = torch.zeros(q.shape, device=q.device, dtype=acc)
-        # K/V blocks travel ahead (overlapped with the block in hand); the gradients of a block follow it round
-        # the ring, home after a lap, each lap's send overlapped with the next block's work.
-        kv: tuple[torch.Tensor, ...] = (k, v)
-        pending_grads = None  # the gradients' lap in flight (none before the first block)
+        kv: tuple[torch.Tensor, ...] = (next_k, next_v)
+        pending_kv = pending_grads = None
         for step in range(degree):
-            if step + 1 < degree:
-                pending_kv = cp.exchange(list(kv))
-            columns, kb, vb, calls = _step(cp, step, kv, bias, causal, q_pos, seq_len, q.shape)
+            if step == degree - 1:
+                kv = (k, v)
+            elif pending_kv is not None:
+                kv = tuple(cp.wait(pending_kv))
+            if step + 2 < degree:  # the block after this one travels while this one is computed
+                pending_kv = cp.exchange(list(kv), hop=-1)
+            src = (cp.rank + 1 + step) % degree
+            columns, kb, vb, calls = _step(cp, src, kv, bias, causal, q_pos, seq_len, q.shape)
             grad_k = grad_v = None
             for r, c, local_causal in calls:
                 dq, dk, dv = _block_backward(
@@ -209,21 +227,17 @@ class _RingAttention(torch.autograd.Function):
             if kv_heads != heads:  # grouped-query attention: a K/V head's gradient sums its query heads'
                 grad_k = grad_k.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
                 grad_v = grad_v.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
-            if pending_grads is not None:  # what the ranks before added to this block's gradients
+            if pending_grads is not None:  # what the ranks after this one added to this block's gradients
                 arrived = cp.wait(pending_grads)
                 grad_k, grad_v = arrived[0] + grad_k, arrived[1] + grad_v
-            pending_grads = cp.exchange([grad_k, grad_v])
-            if step + 1 < degree:
-                kv = tuple(cp.wait(pending_kv))
-        arrived = cp.wait(pending_grads)
-        grad_k, grad_v = arrived[0].to(k.dtype), arrived[1].to(v.dtype)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+            if step + 1 < degree:  # on to the rank that holds this block next
+                pending_grads = cp.exchange([grad_k, grad_v], hop=-1)
+        return None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
-def _step(cp, step, block, bias, causal, q_pos, seq_len, q_shape):  # noqa: ANN001, ANN202
-    """What one step of the ring attends to, forward and backward alike: the block's bias, its keys and values
-    with as many heads as the queries, and the kernel calls the mask leaves."""
-    src = (cp.rank - step) % cp.degree  # whose block this rank holds at this step
+def _step(cp, src, block, bias, causal, q_pos, seq_len, q_shape):  # noqa: ANN001, ANN202
+    """What one step of the ring attends to, forward and backward alike: ``src``'s block's bias, its keys and
+    values with as many heads as the queries, and the kernel calls the mask leaves."""
     columns = _block_bias(bias, causal, q_pos, cp.positions(seq_len, q_pos.device, src))
     heads = q_shape[-3]
     kb, vb = _repeat_kv(block[0], heads), _repeat_kv(block[1], heads)
@@ -266,3 +280,6 @@ def ring_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(cp, q, k, v, attn_mask, bool(is_causal), float(scale), int(seq_len))
+
+
+TOKEN_MAJOR.add(ring_attention)

@@ -212,9 +212,13 @@ def context_lines(program: Program) -> list[str]:
         q, k, v = (get_shape(a).tensor for a in node.args[1:4])
         kv = evaluate_expr(k.nbytes + v.nbytes, at)
         if ring:
-            moved = (2 * (plan.cp - 1) + plan.cp) * kv  # K/V round forward and backward, their gradients once
-            laps = f"{plan.cp - 1} lap{'s' if plan.cp > 2 else ''}"
-            what = f"K/V blocks {fmt_count(int(kv))}B a lap, {laps} each way and the gradients' lap"
+            # K/V cp - 1 hops forward and cp - 2 backward (it starts on the block forward ended on), and the
+            # gradients cp - 1 hops home (graph_ops/ring_attention.py)
+            moved = (3 * plan.cp - 4) * kv
+            what = (
+                f"K/V blocks {fmt_count(int(kv))}B a hop, {plan.cp - 1} forward, {plan.cp - 2} backward, and "
+                f"{plan.cp - 1} of the gradients"
+            )
         else:
             moved = 2 * (2 * evaluate_expr(q.nbytes, at) + kv) * (plan.cp - 1) / plan.cp
             what = "q, k, v and the output traded for heads, forward and backward"

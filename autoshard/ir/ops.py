@@ -42,6 +42,11 @@ def packet(target: object) -> object:
 WRAPPERS: dict[object, Callable[[tuple], tuple[object, tuple]]] = {}
 
 
+# Runtime attention functions whose (batch, heads, tokens, dim) output is laid out token-major, as the fused
+# kernels' is (graph_ops/ring_attention.py registers its own): swapping heads and tokens after them is a view.
+TOKEN_MAJOR: set[object] = set()
+
+
 def runs(node: fx.Node) -> tuple[object, tuple]:
     """The ATen op a call node runs and that op's arguments, looking through the runtime's wrappers."""
     unwrap = WRAPPERS.get(node.target)
@@ -133,9 +138,12 @@ def storage_root(node: Any, dtypes: dict[fx.Node, torch.dtype] | None = None) ->
 def _heads_first(view: fx.Node, base: Any) -> bool:
     """Whether ``view`` swaps a fused attention's (batch, heads, tokens, dim) output to tokens first: a view of
     memory the kernels (flash and memory-efficient, CPU and CUDA) write token-major."""
-    fused = isinstance(base, fx.Node) and base.op == "call_function" and packet(base.target) is _SDPA
+    if not (isinstance(base, fx.Node) and base.op == "call_function"):
+        return False
     swap = packet(view.target) is aten.transpose and sorted(a % 4 for a in view.args[1:3]) == [1, 2]
-    return fused and swap and attention_dropout(base.args, base.kwargs) == 0.0
+    if base.target in TOKEN_MAJOR:
+        return swap
+    return packet(base.target) is _SDPA and swap and attention_dropout(base.args, base.kwargs) == 0.0
 
 
 def attention_dropout(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

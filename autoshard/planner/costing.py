@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from autoshard.planner.exchanges import context_exchanges, expert_exchanges
+from autoshard.planner.exchanges import context_exchanges, expert_exchanges, ring_kept_block
 from autoshard.planner.memory import itemsize, rank_memory
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
@@ -260,10 +260,11 @@ class Costing:
                     expert_elements += count * kept_share[1]
                     exchanges = count * expert_exchanges(part, plan, sizes, hw)
                     f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
+                k, tr, _, fl, w = part.at(choice, sizes, plan.autocast)
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
                     forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
-                k, tr, _, fl, w = part.at(choice, sizes, plan.autocast)
+                    k += ring_kept_block(part, plan, sizes, choice)
                 kept, held_for_w = kept + count * k, held_for_w + count * w
                 transient, grads_in_flight = max(transient, tr), max(grads_in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.

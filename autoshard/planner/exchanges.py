@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from autoshard.planner.profile import PartAtDegree
     from autoshard.spec.plan import Plan
 
-__all__ = ["context_exchanges", "expert_exchanges"]
+__all__ = ["context_exchanges", "expert_exchanges", "ring_kept_block"]
 
 
 def expert_exchanges(part: PartAtDegree, plan: Plan, sizes: dict[str, Any], hw: Hardware) -> float:
@@ -30,10 +30,11 @@ def context_exchanges(
 ) -> tuple[float, float]:
     """Seconds cp adds to a part, forward and backward, one microbatch (graph_ops/context.py).
 
-    Ring: K/V blocks go round cp - 1 times each way, each hidden behind the attention of the block in hand
-    (1/cp of the part's attention time); the gradients of each block follow it, a lap hidden behind the
-    next block's backward, the last lap not at all; and each step merges its block into the running output
-    (a few passes over it) and launches its kernels apart. All-to-all: q, k, v and the output each traded
+    Ring: K/V blocks go round cp - 1 times forward and cp - 2 backward (which starts on the block forward
+    ended on), each hidden behind the attention of the block in hand (1/cp of the part's attention time);
+    the gradients of each block follow it home, cp - 1 hops, each hidden behind the next block's backward;
+    and each step merges its block into the running output (a few passes over it) and launches its kernels
+    apart. All-to-all: q, k, v and the output each traded
     once each way, on the critical path."""
     span = plan.cp * plan.tp  # ring neighbours sit tp ranks apart
     kv = value(part.attention_kv_bytes, sizes)  # this rank's blocks (its share of the tokens)
@@ -47,6 +48,16 @@ def context_exchanges(
     laps, per_block = plan.cp - 1, attention / plan.cp
     merges = plan.cp * hw.memory_seconds(6 * q * max(4, itemsize) / itemsize, kernels=8)  # out, lse: a few passes
     forward = laps * max(0.0, send - hw.overlap * per_block) + merges
-    backward = laps * max(0.0, send - hw.overlap * 2 * per_block) + grads
+    backward = (laps - 1) * max(0.0, send - hw.overlap * 2 * per_block)
     backward += laps * max(0.0, grads - hw.overlap * 2 * per_block) + merges
     return forward, backward
+
+
+def ring_kept_block(part: PartAtDegree, plan: Plan, sizes: dict[str, Any], choice: str) -> float:
+    """Bytes ring attention keeps besides what SDPA keeps: the K/V block its forward ended on, where its backward
+    starts (graph_ops/ring_attention.py); none where the attention is recomputed, or traded for heads."""
+    if plan.cp_attention == "all_to_all" or choice == "full":
+        return 0.0
+    if any("scaled_dot_product" in name for name in part.recomputed(choice)):
+        return 0.0
+    return value(part.attention_kv_bytes, sizes)

@@ -1146,4 +1146,35 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "computes_what_1f1b_computes",
     },
+    {
+        "name": "155_ring_gradients_sent_against_their_blocks",
+        "file": "autoshard/graph_ops/ring_attention.py",
+        "why": "ring backward sends each block's gradients to the next rank while the blocks go to the previous one: "
+        "the partial sums meet other blocks (equal at cp=2, where both neighbours are one rank)",
+        "tests": ["tests/test_context_parallel.py"],
+        "k": "ring_attention_equals",
+    },
+    {
+        "name": "156_ring_output_heads_first",
+        "file": "autoshard/graph_ops/ring_attention.py",
+        "why": "ring attention's output is laid out heads-first while the accounting takes it as token-major: the "
+        "projection after it keeps a copy nobody counts",
+        "tests": ["tests/test_context_parallel.py"],
+        "k": "keeps_is_what",
+    },
+    {
+        "name": "157_ring_kept_block_not_counted",
+        "file": "passes/saved_tensors.py",
+        "why": "the accounting leaves out the K/V block ring attention keeps for its backward",
+        "tests": ["tests/test_context_parallel.py"],
+        "k": "keeps_is_what",
+    },
+    {
+        "name": "158_cp_local_tokens_keep_the_whole_shape",
+        "file": "passes/context_parallel.py",
+        "why": "the values cut to a rank's tokens keep the whole sequence's shape: ids counted twice, the loss's "
+        "saves not probed",
+        "tests": ["tests/test_context_parallel.py"],
+        "k": "keeps_is_what",
+    },
 ]
