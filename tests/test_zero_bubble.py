@@ -21,7 +21,7 @@ from test_tp import TP_ATOL
 import autoshard
 from autoshard.graph_ops.weight_grad import WEIGHT_GRADS, matmul_deferring_weight_grad
 from autoshard.planner.simulate import simulate
-from autoshard.spec.schedule_builders import build_schedule, one_f_one_b, zb_h1, zb_h2, zbv
+from autoshard.spec.schedule_builders import build_schedule, dualpipev, one_f_one_b, zb_h1, zb_h2, zbv
 from autoshard.spec.schedules import Action, Schedule, ScheduleError
 
 
@@ -98,6 +98,39 @@ def test_zbv_is_valid_on_its_v_and_holds_what_1f1b_holds_on_its_first_rank(pp: i
         assert {a.stage for a in actions} == {rank, 2 * pp - 1 - rank}
     # Stages half of 1F1B's: 2pp of them held is 1F1B's first rank's pp whole ones.
     assert max(schedule.peak_in_flight()) <= 2 * pp
+
+
+@given(st.integers(1, 8), st.integers(0, 16))
+def test_dualpipev_orders_its_actions_as_torch_does(pp: int, extra: int) -> None:
+    """DualPipeV against torch.distributed.pipelining's ScheduleDualPipeV, whose order it follows (its
+    overlapped forward-and-backward and its whole backwards written out as F, B, W): the same actions in the same
+    order on every rank; valid on its V, holding at most 2pp + 1 stage-microbatches."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    m = 2 * pp + extra
+    schedule = dualpipev(pp, m)
+    schedule.validate()
+    kinds = {torch_schedules.FORWARD: "F", torch_schedules.BACKWARD_INPUT: "B", torch_schedules.BACKWARD_WEIGHT: "W"}
+
+    def written_out(action) -> list[tuple[int, str, int]]:  # noqa: ANN001 - torch's _Action
+        kind = action.computation_type
+        if kind == torch_schedules.OVERLAP_F_B:
+            return [step for sub in action.sub_actions for step in written_out(sub)]
+        if kind == torch_schedules.FULL_BACKWARD:
+            return [(action.stage_index, k, action.microbatch_index) for k in "BW"]
+        return [(action.stage_index, kinds[kind], action.microbatch_index)]
+
+    for rank, actions in enumerate(schedule.ranks):
+        theirs = torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(
+            SimpleNamespace(pp_group_size=pp, _n_microbatches=m), rank
+        )
+        expected = [step for action in theirs if action is not None for step in written_out(action)]
+        assert [(a.stage, a.kind, a.microbatch) for a in actions] == expected, rank
+    assert max(schedule.peak_in_flight()) <= 2 * pp + 1
+    with pytest.raises(ScheduleError, match="at least as many microbatches as stages"):
+        dualpipev(pp, 2 * pp - 1)
 
 
 @pytest.mark.parametrize(
@@ -203,9 +236,13 @@ ZB_RUNS = {
 }
 
 
+ZB_SCHEDULES = ("zb_h1", "zb_h2", "zbv", "dualpipev")
+# dualpipev needs microbatches >= 2 x pp (its stages): every run but bert's 2
+ZB_GRID = [(r, s) for r in ZB_RUNS for s in ZB_SCHEDULES if s != "dualpipev" or ZB_RUNS[r][2]["microbatches"] >= 4]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["zb_h1", "zb_h2", "zbv"])
-@pytest.mark.parametrize("run", list(ZB_RUNS))
+@pytest.mark.parametrize(("run", "schedule"), ZB_GRID)
 def test_zero_bubble_matches_single_device(ranks, run: str, schedule: str) -> None:
     check_zero_bubble(ranks, run, schedule)
 
@@ -220,6 +257,7 @@ def test_zero_bubble_matches_single_device(ranks, run: str, schedule: str) -> No
         ("llama-tp2xpp2", "zbv"),
         ("gpt2-pp2-recompute", "zb_h1"),
         ("gpt2-dp2xpp2-zero3", "zb_h2"),
+        ("gpt2-dp2xpp2-zero1", "dualpipev"),
     ],
 )
 def test_zero_bubble_matches_single_device_on_its_edges(ranks, run: str, schedule: str) -> None:
@@ -227,14 +265,14 @@ def test_zero_bubble_matches_single_device_on_its_edges(ranks, run: str, schedul
 
 
 @settings(max_examples=1)
-@given(run=st.sampled_from(list(ZB_RUNS)), schedule=st.sampled_from(["zb_h1", "zb_h2", "zbv"]))
-def test_zero_bubble_matches_single_device_sample(ranks, run: str, schedule: str) -> None:
-    check_zero_bubble(ranks, run, schedule)
+@given(case=st.sampled_from(ZB_GRID))
+def test_zero_bubble_matches_single_device_sample(ranks, case: tuple[str, str]) -> None:
+    check_zero_bubble(ranks, *case)
 
 
 def check_zero_bubble(ranks, run: str, schedule: str) -> None:
     family, mesh, plan, layers = ZB_RUNS[run]
-    v = 2 if schedule == "zbv" else 1  # zbv: two stages a rank, so twice the blocks
+    v = 2 if schedule in ("zbv", "dualpipev") else 1  # two stages a rank, so twice the blocks
     world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]
     results = ranks(world).run(train_pipeline, family, mesh, {"schedule": schedule, **plan}, layers=layers * v)
     ref_losses, ref_state = train_single_device(family, layers=layers * v)
@@ -244,7 +282,8 @@ def check_zero_bubble(ranks, run: str, schedule: str) -> None:
         # every stage's matmuls hold their weight gradients for W (each step, each microbatch); no more
         # stage-microbatches in flight than 1F1B's first rank holds
         assert result["weight_grads_deferred"] >= 3 * plan["microbatches"], result["weight_grads_deferred"]
-        assert result["peak_in_flight"] <= (2 * mesh["pp"] - 1 if schedule == "zb_h2" else mesh["pp"] * v)
+        bound = {"zb_h2": 2 * mesh["pp"] - 1, "dualpipev": 2 * mesh["pp"] + 1}.get(schedule, mesh["pp"] * v)
+        assert result["peak_in_flight"] <= bound
     state = results[0]["state"]
     assert set(state) == set(ref_state)
     for key, value in ref_state.items():

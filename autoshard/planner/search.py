@@ -16,40 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from autoshard.errors import PlanError
 from autoshard.planner.costing import Costing, Unfit
+from autoshard.planner.degrees import V_ASKED, default_microbatches, divisors, factorizations, geometric
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, is_mixed_precision
 
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
-    from autoshard.spec.schedules import Schedule
 
 __all__ = ["choose_plan", "default_microbatches", "factorizations"]
 
 SIMPLER_WITHIN = 0.03  # prefer the simpler of two plans predicted this close (the model is not finer)
 BUDGETS = (0.75, 0.5, 0.25)  # recomputation budgets tried (the share of the activation bytes kept)
-
-
-def default_microbatches(local_rows: int, pp: int, schedule: str | Schedule) -> int:
-    """The most microbatches up to 4 x pp that divide a dp rank's rows (bubble (pp-1)/(m+pp-1) shrinks with m).
-
-    Interleaved 1F1B needs a multiple of pp; when none divides the rows, pp itself (compile then says why).
-    """
-    step = pp if schedule == "interleaved_1f1b" else 1
-    options = [m for m in range(step, 4 * pp + 1, step) if local_rows % m == 0]
-    return max(options) if options else step
-
-
-def factorizations(world: int) -> list[tuple[int, int, int]]:
-    out = []
-    for tp in range(1, world + 1):
-        if world % tp:
-            continue
-        for pp in range(1, world // tp + 1):
-            if (world // tp) % pp:
-                continue
-            out.append((world // (tp * pp), tp, pp))
-    return out
 
 
 # A cp rank keeps at least this many tokens of each sequence: below, the ring's sends outweigh what splitting
@@ -132,7 +110,7 @@ def enumerate_plans(
             refused[f"ep={overrides['ep']} does not divide dp={dp} (ep groups are carved out of dp)"] = None
             continue
         experts = costing.profile.experts if tp == cp == 1 else 0  # ep splits the experts of a model without tp
-        eps = _options("ep", overrides, [e for e in _divisors(dp) if experts and experts % e == 0] or [1])
+        eps = _options("ep", overrides, [e for e in divisors(dp) if experts and experts % e == 0] or [1])
         zeros = _options("zero", overrides, [1, 2, 3] if needs_zero else [0, 1, 2, 3])
         for zero, ep in ((z, e) for z in zeros for e in eps):
             for offload in _options("offload", overrides, [False, True] if zero else [False]):
@@ -185,7 +163,7 @@ def _pipeline_options(
         if not fixed_mesh and {"schedule", "virtual_stages"} & set(overrides):
             refused["a pipeline schedule or virtual stages were asked for, which pp=1 does not run"] = None
             return
-        for m in [fixed_m] if fixed_m else [d for d in _divisors(local) if d <= 64] or [1]:
+        for m in [fixed_m] if fixed_m else [d for d in divisors(local) if d <= 64] or [1]:
             yield {"microbatches": m}
         return
     schedules = _options("schedule", overrides, ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"])
@@ -196,23 +174,26 @@ def _pipeline_options(
         if "pp_cuts" in overrides and overrides["pp_cuts"] is not None:  # the cuts fix the stage count
             stages = len(overrides["pp_cuts"]) + 1
             vs = [stages // pp] if stages % pp == 0 else [1]
-            if (schedule in ("interleaved_1f1b", "zbv")) != (vs[0] > 1) or (schedule == "zbv" and vs[0] != 2):
+            v_shaped = schedule in ("zbv", "dualpipev")
+            if (schedule == "interleaved_1f1b" or v_shaped) != (vs[0] > 1) or (v_shaped and vs[0] != 2):
                 continue
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
             if not vs:
                 refused[f"interleaved_1f1b at pp={pp} needs {2 * pp} or more blocks; there are {costing.blocks}"] = None
-        elif schedule == "zbv":
+        elif schedule in ("zbv", "dualpipev"):  # dualpipev: only where asked for (it is not among the defaults)
             vs = [2] if costing.allows(pp=2 * pp) else []
             if not vs:
-                refused[f"zbv at pp={pp} needs {2 * pp} blocks (two stages a rank); there are {costing.blocks}"] = None
+                refused[
+                    f"{schedule} at pp={pp} needs {2 * pp} blocks (two stages a rank); there are {costing.blocks}"
+                ] = None
         else:
             if overrides.get("virtual_stages", 1) != 1:
                 refused[f"virtual_stages={overrides['virtual_stages']} needs interleaved_1f1b (or zbv: 2)"] = None
                 continue
             vs = [1]
         # Unequal stages (the ends lighter) where pp x v does not divide the blocks: asked for, or a fixed mesh.
-        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in ("interleaved_1f1b", "zbv")
+        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in V_ASKED
         for v in vs:
             if v > 1 and not asked and costing.blocks % (pp * v):
                 refused[
@@ -225,25 +206,17 @@ def _pipeline_options(
                 ms = [fixed_m]
             else:
                 ms = sorted(
-                    {m for m in _geometric(local) if m % step == 0} | {default_microbatches(local, pp, schedule)}
+                    {m for m in geometric(local) if m % step == 0} | {default_microbatches(local, pp, schedule)}
                 )
                 ms = [m for m in ms if local % m == 0 and m >= step] or [step]
+            if schedule == "dualpipev":  # at least as many microbatches as stages
+                if max(ms) < 2 * pp:
+                    refused[f"dualpipev at pp={pp} needs {2 * pp} microbatches or more; the batch gives {max(ms)}"] = (
+                        None
+                    )
+                ms = [m for m in ms if m >= 2 * pp]
             for m in ms:
                 yield {"schedule": schedule, "virtual_stages": v, "microbatches": m}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n else []
-
-
-def _geometric(n: int) -> list[int]:
-    """Divisors of n that are powers of two, and n itself: microbatch counts worth trying."""
-    out, d = [], 1
-    while d <= n:
-        if n % d == 0:
-            out.append(d)
-        d *= 2
-    return [*out, n] if n else []
 
 
 def choose_plan(

@@ -25,7 +25,8 @@ __all__ = [
     "splits_backward",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages a rank, placed as a V
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 CP_ATTENTION = ("ring", "all_to_all")
@@ -149,13 +150,16 @@ class Plan:
                 f"ep={self.ep} carves expert-parallel groups out of the data-parallel ranks, so it must divide "
                 f"dp={self.dp}; choose ep among {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}"
             )
-        if self.schedule_name == "zbv":  # two stages a rank, placed as a V: the schedule's own shape
+        if self.schedule_name in V_SCHEDULES:  # two stages a rank, placed as a V: the schedule's own shape
             if self.virtual_stages not in (1, 2):
-                raise PlanError(f"schedule='zbv' runs two stages on each rank; virtual_stages={self.virtual_stages}")
+                raise PlanError(
+                    f"schedule={self.schedule_name!r} runs two stages on each rank; "
+                    f"virtual_stages={self.virtual_stages}"
+                )
             object.__setattr__(self, "virtual_stages", 2)
-        if self.pp == 1 and self.schedule_name in ("interleaved_1f1b", "zbv"):
+        if self.pp == 1 and self.schedule_name in ("interleaved_1f1b", *V_SCHEDULES):
             object.__setattr__(self, "virtual_stages", 1)  # pp=1 runs no schedule: the model is one stage
-        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", "zbv", "custom"):
+        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", *V_SCHEDULES, "custom"):
             raise PlanError(
                 f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
                 f"schedule='interleaved_1f1b' runs; use that schedule or virtual_stages=1"
@@ -240,7 +244,7 @@ class Plan:
         """Whether the pipeline's stages sit as a V (zbv: rank r holds stages r and 2pp-1-r)."""
         if self.pp == 1:  # one stage: no pipeline, whatever the schedule's name
             return False
-        return self.schedule.placement == "v" if isinstance(self.schedule, Schedule) else self.schedule == "zbv"
+        return self.schedule.placement == "v" if isinstance(self.schedule, Schedule) else self.schedule in V_SCHEDULES
 
     @property
     def mesh(self) -> Mesh:

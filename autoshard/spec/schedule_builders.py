@@ -2,7 +2,8 @@
 
 ``gpipe``, ``one_f_one_b`` and ``interleaved_1f1b`` run one backward an action; the zero-bubble ones
 split it into B and W: ``zb_h1`` in 1F1B's order, ``zb_h2`` with a longer warm-up at twice the
-activations, ``zbv`` on two stages a rank placed as a V.
+activations, ``zbv`` on two stages a rank placed as a V, ``dualpipev`` on the same V with its two halves'
+forward and backward crossing.
 ``build_schedule`` makes one by name, as a plan names it.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from autoshard.spec.schedules import Action, Schedule, ScheduleError
 
-__all__ = ["build_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zb_h2", "zbv"]
+__all__ = ["build_schedule", "dualpipev", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zb_h2", "zbv"]
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
@@ -176,6 +177,76 @@ def _zbv_rank(down: int, up: int, later: int, n_micro: int) -> list[tuple[int, s
     return ops
 
 
+def dualpipev(pp: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe cut in half, as torch.distributed.pipelining's ScheduleDualPipeV orders it):
+    two stages a rank placed as a V, as zbv. Rank r warms up with 2(pp-1-r) forwards down the V and r+1 pairs
+    down and up, then pp-1-r of (B, W, F) on its stage up; its steady state runs a forward of one stage with a
+    whole backward (B then W) of the other, the two halves of the V crossing; the cool-down runs whole backwards,
+    then, from the middle of the last ones, B's with their W's left to the end (zero bubble). Needs at least two
+    microbatches a stage's pair (microbatches >= 2pp)."""
+    if microbatches < 2 * pp:
+        raise ScheduleError(
+            f"dualpipev needs at least as many microbatches as stages (2 x pp = {2 * pp}), got {microbatches}"
+        )
+    return Schedule("dualpipev", pp, microbatches, 2, tuple(_dualpipev_rank(r, pp, microbatches) for r in range(pp)),
+                    placement="v")  # fmt: skip
+
+
+def _dualpipev_rank(r: int, pp: int, microbatches: int) -> tuple[Action, ...]:
+    """Rank r's DualPipeV actions: its stages ``down`` (r) and ``up`` (2pp-1-r)."""
+    down, up = r, 2 * pp - 1 - r
+    actions: list[Action] = []
+    f = {down: 0, up: 0}
+    b = {down: 0, up: 0}
+    waiting: list[Action] = []  # the W's of B's run alone, oldest first
+
+    def forward(stage: int) -> None:
+        actions.append(Action(stage, "F", f[stage]))
+        f[stage] += 1
+
+    def backward(stage: int, whole: bool) -> None:  # whole: its W at once
+        actions.append(Action(stage, "B", b[stage]))
+        (actions if whole else waiting).append(Action(stage, "W", b[stage]))
+        b[stage] += 1
+
+    def a_waiting_w() -> None:
+        if waiting:
+            actions.append(waiting.pop(0))
+
+    for _ in range(2 * (pp - 1 - r)):
+        forward(down)
+    for _ in range(r + 1):
+        forward(down)
+        forward(up)
+    for _ in range(pp - 1 - r):
+        backward(up, whole=False)
+        a_waiting_w()
+        forward(up)
+    for _ in range(microbatches - 2 * pp + r + 1):  # the crossing: F of one stage with B, W of the other
+        forward(down)
+        backward(up, whole=True)
+        forward(up)
+        backward(down, whole=True)
+    for _ in range(pp - 1 - r):
+        backward(up, whole=True)
+        forward(up)
+        backward(down, whole=True)
+    zero_bubble = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zero_bubble = True
+        backward(up, whole=not zero_bubble)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zero_bubble = True
+        backward(down, whole=not zero_bubble)
+    for _ in range(pp - 1 - r):
+        a_waiting_w()
+        backward(down, whole=not zero_bubble)
+    for _ in range(r + 1):
+        a_waiting_w()
+    return tuple(actions)
+
+
 def _list_scheduled(name: str, pp: int, microbatches: int, stages_of: list[tuple[int, ...]], limit: int) -> Schedule:
     """List scheduling in time units where F, B and W take one each: a free rank runs the B whose gradient
     has arrived (the critical path), else the forward furthest along that has its input, if the rank holds
@@ -252,13 +323,15 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         schedule = zb_h1(pp, microbatches)
     elif name == "zb_h2":
         schedule = zb_h2(pp, microbatches)
-    elif name == "zbv":
+    elif name in ("zbv", "dualpipev"):
         if virtual_stages != 2:
-            raise ScheduleError(f"zbv runs two stages on each rank; virtual_stages={virtual_stages} must be 2")
-        schedule = zbv(pp, microbatches)
+            raise ScheduleError(f"{name} runs two stages on each rank; virtual_stages={virtual_stages} must be 2")
+        schedule = zbv(pp, microbatches) if name == "zbv" else dualpipev(pp, microbatches)
     else:
-        raise ScheduleError(f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2 or zbv")
-    if name not in ("interleaved_1f1b", "zbv") and virtual_stages != 1:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zbv or dualpipev"
+        )
+    if name not in ("interleaved_1f1b", "zbv", "dualpipev") and virtual_stages != 1:
         raise ScheduleError(f"{name} runs one stage per rank; virtual_stages={virtual_stages} needs interleaved_1f1b")
     if validate:
         schedule.validate()

@@ -31,7 +31,7 @@ from autoshard.errors import PlanError
 __all__ = ["SPLIT_BACKWARD", "Action", "Schedule", "ScheduleError"]
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
-SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv")  # the named schedules whose backward is split into B and W
+SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # the named schedules whose backward is split into B and W
 
 
 class ScheduleError(PlanError):
