@@ -149,12 +149,15 @@ def test_a_mixture_of_experts_splits_its_experts_inside_a_node() -> None:
 @pytest.mark.slow  # long (15-35 s): under -m slow
 def test_expert_parallelism_crosses_nodes_only_over_fast_links() -> None:
     """32 experts: with the preset's inter-node links ep spans nodes (a rank holds fewer experts); with those
-    links 20x slower the all-to-alls keep inside a node."""
+    links 20x slower the all-to-alls keep inside a node (the winner there splits the experts over tp = 8 inside
+    a node instead, ep = 1, 5% ahead of ep = 8 inside a node; either keeps them in)."""
     model = mixtral(4, 32)
     fast = plan(model, 64, 256, 4096, H100).winner
-    slow = plan(model, 64, 256, 4096, H100.with_(inter_bandwidth=H100.inter_bandwidth / 20)).winner
+    slow = plan(model, 64, 256, 4096, H100.with_(inter_bandwidth=H100.inter_bandwidth / 20))
     assert fast.ep * fast.tp > H100.devices_per_node, fast
-    assert 1 < slow.ep and slow.ep * slow.tp <= H100.devices_per_node, slow
+    assert slow.winner.ep * slow.winner.tp <= H100.devices_per_node, slow.winner
+    expert_plans = [c.plan for c in slow.candidates if c.plan.ep > 1]  # the best of those that use ep at all
+    assert expert_plans and expert_plans[0].ep * expert_plans[0].tp <= H100.devices_per_node, expert_plans[:3]
 
 
 @pytest.mark.slow  # 16 s: capture and search at 128k tokens
