@@ -105,6 +105,26 @@ def test_a_tied_weight_on_one_rank_is_held_once(gpt2) -> None:
         assert tied > 0 and held == whole + copies * tied, (plan.schedule, held, whole, tied)
 
 
+def test_a_pipelines_weight_gradients_accumulate_fused(gpt2) -> None:
+    """A pipeline adds its matmuls' weight gradients with the product fused into the add (addmm_: the buffer read
+    and written), where autograd's accumulation also writes and reads the product: a pipeline's backward is
+    lighter by two passes over those weights' gradients a microbatch, B's the same (the saving is W's)."""
+    from autoshard.planner.part_times import part_times
+
+    c = costing(gpt2)
+    pipeline, alone = Plan(pp=2, schedule="zb_h1", microbatches=4), Plan()
+    names = [n for stage in c._parts_per_stage(pipeline, 2) for n in stage]
+    block = c._part(next(n for n in names if n.startswith("block")), pipeline)
+    times = part_times(block, {**c.sizes, "B": 2}, HW, torch.float32)
+    deferred = sum(w.dims[1] * w.dims[2] for w in block.works if w.deferred) * 4  # float32 weight gradients
+    assert 0 < deferred < block.param_bytes
+    assert times.fused_saving == pytest.approx(HW.memory_seconds(2 * deferred, kernels=0))
+    saved = sum(c._part(n, pipeline).times({**c.sizes, "B": 2}, HW, torch.float32).fused_saving for n in names)
+    one = sum(s.backward for s in c._costed_stages(alone, 2, 1.0))  # pp=1: autograd accumulates
+    two = sum(s.backward for s in c._costed_stages(pipeline, 2, 1.0))
+    assert saved > 0 and one - two == pytest.approx(saved)
+
+
 def test_a_split_backwards_w_is_the_weight_gradients_and_recomputation_is_bs(gpt2) -> None:
     """W is what the stage's deferred matmuls cost for their weights' gradients: a share of backward, the same
     with full recomputation as without (the forward a region repeats runs in B, before the input gradients)."""

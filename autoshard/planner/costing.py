@@ -243,7 +243,9 @@ class Costing:
                 times = part.times(sizes, hw, dtype)
                 again = slowdown * times.recompute(part, choice) if choice != "none" else 0.0
                 f += count * (slowdown * times.forward + times.tp_forward)
-                b += count * (slowdown * times.backward + times.tp_backward + again)
+                # A pipeline's matmuls accumulate their weight gradients fused (runtime/pipeline.py: each B, or W)
+                backward = times.backward - (times.fused_saving if plan.pp > 1 else 0.0)
+                b += count * (slowdown * backward + times.tp_backward + again)
                 r += count * again
                 weight_grad += count * slowdown * times.weight_grad
                 tp += count * (times.tp_forward + times.tp_backward)

@@ -60,6 +60,7 @@ class PartTimes:
     tp_backward: float
     by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
     weight_grad: float = 0.0  # of backward: the deferred matmuls' weight gradients, accumulated (a split's W)
+    fused_saving: float = 0.0  # of backward: what a pipeline's fused accumulation of those saves (see part_times)
 
     def recompute(self, part: PartAtDegree, choice: str) -> float:
         """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
@@ -87,7 +88,7 @@ def _evaluated(expr: sympy.Basic, sizes: tuple[tuple[str, int], ...]) -> float:
 def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: torch.dtype) -> PartTimes:
     """One microbatch of ``part`` at ``sizes`` (B: its rows) on one rank of ``hw``, its tensors ``dtype``."""
     every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
-    forward = backward = weight_grad = 0.0
+    forward = backward = weight_grad = deferred_bytes = 0.0
     grad_bytes = part.param_bytes / max(1, part.param_elements)  # a gradient's element: its parameter's
     by_name: dict[str, float] = {}
     for w in part.works:
@@ -99,9 +100,11 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             f = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
             flops_bwd = value(w.flops_bwd, sizes)
             b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
-            if w.deferred:  # the weight's gradient: a matmul of the forward's size, added into .grad (n x k)
+            if w.deferred:  # the weight's gradient: a matmul of the forward's size, added into .grad (n x k) by
+                # a fused multiply-add (graph_ops/weight_grad.py: addmm_, which reads the gradient it adds to)
                 weight_grad += hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
-                weight_grad += hw.memory_seconds(3 * dims[1] * dims[2] * grad_bytes, kernels=0)
+                weight_grad += hw.memory_seconds(dims[1] * dims[2] * grad_bytes, kernels=0)
+                deferred_bytes += dims[1] * dims[2] * grad_bytes
         else:
             f = hw.memory_seconds(nbytes if w.kernel else 0.0)
             b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0
@@ -109,8 +112,12 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
         backward += b
         by_name[w.name] = f
     # Every backward adds its parameters' gradients into the buffers they accumulate in (autograd's
-    # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written.
-    backward += hw.memory_seconds(3 * part.param_bytes, kernels=0)
+    # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written. A pipeline
+    # (eager) adds its matmuls' weight gradients with the product fused into the add (addmm_): the buffer read
+    # and written, no product of its own; ``fused_saving`` is the difference, which costing takes off there.
+    accumulate = hw.memory_seconds(3 * part.param_bytes, kernels=0)
+    fused = hw.memory_seconds(3 * part.param_bytes - 2 * min(deferred_bytes, part.param_bytes), kernels=0)
+    backward += accumulate
     tp_fwd = tp_bwd = 0.0
     for c in part.comms:
         full = max(value(c.nbytes_in, sizes), value(c.nbytes_out, sizes))
@@ -118,4 +125,4 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
         if c.backward:
             tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
-    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward))
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward), accumulate - fused)

@@ -342,14 +342,14 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "44_planner_misses_the_deepest_pipeline",
-        "file": "autoshard/planner/search.py",
+        "file": "autoshard/planner/degrees.py",
         "why": "the planner's factorizations leave out pp = world / tp (dp = 1)",
         "tests": ["tests/test_planner_rules.py"],
         "k": None,
     },
     {
         "name": "45_planner_fewest_microbatches",
-        "file": "autoshard/planner/search.py",
+        "file": "autoshard/planner/degrees.py",
         "why": ("the default microbatch count is the fewest that divide a rank's rows, not the most (up to 4 x pp)"),
         "tests": ["tests/test_planner_rules.py"],
         "k": None,
@@ -1176,5 +1176,13 @@ MUTANTS: list[dict] = [
         "saves not probed",
         "tests": ["tests/test_context_parallel.py"],
         "k": "keeps_is_what",
+    },
+    {
+        "name": "159_planner_pipeline_accumulates_through_autograd",
+        "file": "autoshard/planner/costing.py",
+        "why": "the planner costs a pipeline's weight-gradient accumulation as autograd's (product, then add), "
+        "where its matmuls add theirs fused",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "accumulate_fused",
     },
 ]
