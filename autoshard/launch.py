@@ -13,6 +13,8 @@ import atexit
 import multiprocessing as mp
 import os
 import socket
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -99,6 +101,15 @@ def _cores_of_ranks(world_size: int, threads: int) -> list[set[int]] | None:
     return [set(cores[r * threads : (r + 1) * threads]) for r in range(world_size)]
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose parent is gone (killed, so it never closed the pool) ends too, instead of holding its memory
+    and cores: ``daemon=True`` ends the ranks only where the parent exits through Python."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -113,6 +124,7 @@ def _worker(
     if cores is not None:  # every thread now (importing torch starts some); later ones (gloo's) inherit it
         for thread in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(thread), cores)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     import torch
     import torch.distributed as dist
 

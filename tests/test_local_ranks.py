@@ -33,3 +33,52 @@ def test_too_few_cores_or_pin_off_leaves_the_scheduler_free() -> None:
     assert _cores_of_ranks(1, len(cores)) == [cores]
     with LocalRanks(1, pin=False) as pool:
         assert all(affinity == cores for affinity in pool.run(thread_affinities)[0])
+
+
+PARENT = """
+import os, sys, time
+from autoshard.launch import LocalRanks
+
+
+def pid(rank, world_size):
+    return os.getpid()
+
+
+if __name__ == "__main__":
+    pool = LocalRanks(2).start()
+    print(" ".join(str(p) for p in pool.run(pid)), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
+    """A pool whose parent is killed (no close, no atexit: SIGKILL, or a benchmark's pkill) leaves no ranks
+    holding memory and cores: each rank ends within seconds of its parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(p) for p in parent.stdout.readline().split()]
+        assert len(ranks) == 2 and all(_alive(r) for r in ranks)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) for r in ranks), ranks
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

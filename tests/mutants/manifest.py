@@ -1185,4 +1185,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "accumulate_fused",
     },
+    {
+        "name": "160_ranks_outlive_a_killed_parent",
+        "file": "autoshard/launch.py",
+        "why": "LocalRanks' ranks keep running, holding memory and cores, after their parent is killed",
+        "tests": ["tests/test_local_ranks.py"],
+        "k": "parent_is_killed",
+    },
 ]
