@@ -359,6 +359,9 @@ def test_zb_h1_computes_what_1f1b_computes_bit_for_bit(ranks, run: str) -> None:
         pytest.param(  # ZeRO-3 under inductor: the gathers stay eager too
             "llama", {"dp": 2, "pp": 2}, {"microbatches": 2, "schedule": "zb_h1", "zero": 3}, 2, marks=pytest.mark.slow
         ),
+        pytest.param(
+            "gpt2", {"dp": 2, "pp": 2}, {"microbatches": 4, "schedule": "dualpipev"}, 4, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_zero_bubble_under_torch_compile_matches_single_device(ranks, family, mesh, plan, layers) -> None:
