@@ -182,8 +182,8 @@ def dualpipev(pp: int, microbatches: int) -> Schedule:
     two stages a rank placed as a V, as zbv. Rank r warms up with 2(pp-1-r) forwards down the V and r+1 pairs
     down and up, then pp-1-r of (B, W, F) on its stage up; its steady state runs a forward of one stage with a
     whole backward (B then W) of the other, the two halves of the V crossing; the cool-down runs whole backwards,
-    then, from the middle of the last ones, B's with their W's left to the end (zero bubble). Needs at least two
-    microbatches a stage's pair (microbatches >= 2pp)."""
+    then, from the middle of the last ones, B's with their W's left to the end (zero bubble). Needs at least as
+    many microbatches as stages (2pp)."""
     if microbatches < 2 * pp:
         raise ScheduleError(
             f"dualpipev needs at least as many microbatches as stages (2 x pp = {2 * pp}), got {microbatches}"
