@@ -7,9 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from autoshard.spec.schedules import Schedule
 
-__all__ = ["V_ASKED", "default_microbatches", "divisors", "factorizations", "geometric"]
-
-V_ASKED = ("interleaved_1f1b", "zbv", "dualpipev")  # schedules that, asked for, plan uneven stages too
+__all__ = ["default_microbatches", "divisors", "factorizations", "geometric"]
 
 
 def divisors(n: int) -> list[int]:

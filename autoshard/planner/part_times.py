@@ -115,9 +115,8 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
     # AccumulateGrad, one per microbatch): the buffer and the new gradient read, the sum written. A pipeline
     # (eager) adds its matmuls' weight gradients with the product fused into the add (addmm_): the buffer read
     # and written, no product of its own; ``fused_saving`` is the difference, which costing takes off there.
-    accumulate = hw.memory_seconds(3 * part.param_bytes, kernels=0)
-    fused = hw.memory_seconds(3 * part.param_bytes - 2 * min(deferred_bytes, part.param_bytes), kernels=0)
-    backward += accumulate
+    backward += hw.memory_seconds(3 * part.param_bytes, kernels=0)
+    fused_saving = hw.memory_seconds(2 * min(deferred_bytes, part.param_bytes), kernels=0)
     tp_fwd = tp_bwd = 0.0
     for c in part.comms:
         full = max(value(c.nbytes_in, sizes), value(c.nbytes_out, sizes))
@@ -125,4 +124,4 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
         if c.backward:
             tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
-    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward), accumulate - fused)
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward), fused_saving)

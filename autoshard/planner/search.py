@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from autoshard.errors import PlanError
 from autoshard.planner.costing import Costing, Unfit
-from autoshard.planner.degrees import V_ASKED, default_microbatches, divisors, factorizations, geometric
+from autoshard.planner.degrees import default_microbatches, divisors, factorizations, geometric
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, is_mixed_precision
+from autoshard.spec.schedules import V_SCHEDULES
 
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
@@ -174,14 +175,14 @@ def _pipeline_options(
         if "pp_cuts" in overrides and overrides["pp_cuts"] is not None:  # the cuts fix the stage count
             stages = len(overrides["pp_cuts"]) + 1
             vs = [stages // pp] if stages % pp == 0 else [1]
-            v_shaped = schedule in ("zbv", "dualpipev")
+            v_shaped = schedule in V_SCHEDULES
             if (schedule == "interleaved_1f1b" or v_shaped) != (vs[0] > 1) or (v_shaped and vs[0] != 2):
                 continue
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
             if not vs:
                 refused[f"interleaved_1f1b at pp={pp} needs {2 * pp} or more blocks; there are {costing.blocks}"] = None
-        elif schedule in ("zbv", "dualpipev"):  # dualpipev: only where asked for (it is not among the defaults)
+        elif schedule in V_SCHEDULES:  # dualpipev: only where asked for (it is not among the defaults)
             vs = [2] if costing.allows(pp=2 * pp) else []
             if not vs:
                 refused[
@@ -193,7 +194,8 @@ def _pipeline_options(
                 continue
             vs = [1]
         # Unequal stages (the ends lighter) where pp x v does not divide the blocks: asked for, or a fixed mesh.
-        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in V_ASKED
+        several = ("interleaved_1f1b", *V_SCHEDULES)  # schedules of several stages a rank
+        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in several
         for v in vs:
             if v > 1 and not asked and costing.blocks % (pp * v):
                 refused[

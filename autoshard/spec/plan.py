@@ -11,7 +11,7 @@ import torch
 
 from autoshard.errors import PlanError
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.schedules import SPLIT_BACKWARD, Schedule
+from autoshard.spec.schedules import SPLIT_BACKWARD, V_SCHEDULES, Schedule
 
 __all__ = [
     "CP_ATTENTION",
@@ -26,7 +26,6 @@ __all__ = [
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages a rank, placed as a V
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECOMPUTE = ("none", "full", "selective")
 CP_ATTENTION = ("ring", "all_to_all")

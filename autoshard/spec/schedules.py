@@ -28,10 +28,11 @@ from typing import Any
 
 from autoshard.errors import PlanError
 
-__all__ = ["SPLIT_BACKWARD", "Action", "Schedule", "ScheduleError"]
+__all__ = ["SPLIT_BACKWARD", "V_SCHEDULES", "Action", "Schedule", "ScheduleError"]
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
 SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # the named schedules whose backward is split into B and W
+V_SCHEDULES = ("zbv", "dualpipev")  # the named schedules of two stages a rank, placed as a V
 
 
 class ScheduleError(PlanError):
