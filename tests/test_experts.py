@@ -188,11 +188,12 @@ def test_experts_under_tensor_parallelism(ranks, mesh, plan) -> None:
     assert results[0]["state"]  # consolidated from tp and ep shards alike
 
 
-@pytest.mark.parametrize("family", ["hf:mixtral:causal", "moe_loop"])
-def test_clipping_counts_each_expert_once(ranks, family) -> None:
-    """The global norm sums each expert's gradient once: on the first dp / ep replica of every ep rank. (SGD
-    with momentum: AdamW would hide a wrong clipping factor, being scale-free.)"""
-    plan = {"ep": 2, "max_grad_norm": 0.05}
+@pytest.mark.parametrize(("family", "ep"), [("hf:mixtral:causal", 4), ("moe_loop", 2)])
+def test_clipping_counts_each_expert_once(ranks, family, ep) -> None:
+    """The global norm sums each expert's gradient once: on the first dp / ep replica of every ep rank (at
+    ep = dp, each expert's only rank, whose gradients are divided by dp with no exchange). (SGD with momentum:
+    AdamW would hide a wrong clipping factor or a wrong mean, being scale-free.)"""
+    plan = {"ep": ep, "max_grad_norm": 0.05}
     results = ranks(4).run(train_plan, family, {"dp": 4}, plan, optimizer=sgd_momentum)
     norms: list[float] = []
     ref_losses, ref_state = train_single_device(family, max_grad_norm=0.05, optimizer=sgd_momentum, norms=norms)

@@ -28,63 +28,11 @@ import torch
 from torch import nn
 
 from autoshard.distributed.comm import CommCounter, same_view
-from autoshard.graph_ops.weight_grad import WEIGHT_GRADS
 from autoshard.runtime.flat import FlatLayout
+from autoshard.runtime.launcher import InOrderLauncher
 from autoshard.runtime.masters import Masters
-from autoshard.runtime.optim import weak_grad_hook
 
-__all__ = ["Groups", "Holder", "InOrderLauncher", "Masters", "ReplicatedHolder", "ShardedGrads", "ShardedHolder"]
-
-
-class InOrderLauncher:
-    """Counts gradient arrivals per armed group and launches complete groups, strictly in ``order``. Arrivals
-    come from post-accumulate-grad hooks; a group not armed yet (an earlier microbatch) ignores them. Every dp
-    rank runs the same schedule, so every rank launches the same collectives in the same order."""
-
-    def __init__(self, order: list[int], params_of: dict[int, list[nn.Parameter]], launch: Callable[[int], None]):
-        self.order = order
-        self.sizes = {g: len(params_of[g]) for g in order}
-        self.group_of = {id(p): g for g in order for p in params_of[g]}
-        self.launch = launch
-        self.arrived: set[int] = set()
-        self.armed: set[int] = set()
-        self._pending = dict(self.sizes)
-        self._next = 0
-        for g in order:
-            for p in params_of[g]:
-                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad))
-
-    def reset(self, armed: Iterable[int]) -> None:
-        self.arrived.clear()
-        self._pending = dict(self.sizes)
-        self._next = 0
-        self.armed = set(armed)
-
-    def arm(self, groups: Iterable[int]) -> None:
-        self.armed.update(groups)
-
-    def _on_grad(self, param: torch.Tensor) -> None:
-        group = self.group_of.get(id(param))
-        if WEIGHT_GRADS.holds_back(param):
-            return  # a zero-bubble B held this weight's gradient back, or an earlier microbatch's W runs
-        if group not in self.armed or id(param) in self.arrived:
-            return  # an earlier microbatch, a backward outside step(), or a second arrival
-        self.arrived.add(id(param))
-        self._pending[group] -= 1
-        self._launch_ready(force=False)
-
-    def _launch_ready(self, force: bool) -> None:
-        while self._next < len(self.order):
-            group = self.order[self._next]
-            if not force and (group not in self.armed or self._pending[group] > 0):
-                return
-            self.launch(group)
-            self._next += 1
-
-    def flush(self) -> None:
-        """After backward: launch the groups still waiting (parameters that got no gradient)."""
-        self._launch_ready(force=True)
-        self.armed = set()
+__all__ = ["Groups", "Holder", "Masters", "ReplicatedHolder", "ShardedGrads", "ShardedHolder"]
 
 
 @dataclass(frozen=True)
@@ -196,15 +144,21 @@ class ReplicatedHolder(Holder):
     def __init__(self, groups: Groups, comm: CommCounter, reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__(groups, comm, reduce_dtype)
         layouts, order = self.layouts, self.order
-        self.buffers = {g: torch.zeros(lay.padded, dtype=lay.dtype, device=lay.device) for g, lay in layouts.items()}
-        self.views = {g: layouts[g].views(self.buffers[g]) for g in order}
-        self.view_of = {id(p): v for g in order for p, v in zip(layouts[g].params, self.views[g])}
+        # An expert group held by one rank is only divided: its gradients stay where autograd put them.
+        self.unbucketed = {g for g in order if self.dp > 1 and layouts[g].dp == 1}
+        self.buffers = {
+            g: torch.zeros(lay.padded, dtype=lay.dtype, device=lay.device)
+            for g, lay in layouts.items()
+            if g not in self.unbucketed
+        }
+        self.views = {g: layouts[g].views(self.buffers[g]) for g in order if g not in self.unbucketed}
+        self.view_of = {id(p): v for g in self.views for p, v in zip(layouts[g].params, self.views[g])}
         self.filled: set[int] = set()  # parameters whose view holds this step's gradient
-        for g in order:  # registered before the launcher's hooks: a gradient is in its bucket when it counts
-            for param in layouts[g].params:
-                param.register_post_accumulate_grad_hook(weak_grad_hook(self._into_bucket))
         self.works: dict[int, Any] = {}
-        self.launcher = InOrderLauncher(order, {g: layouts[g].params for g in order}, self._launch)
+        # A gradient is in its bucket when it counts.
+        self.launcher = InOrderLauncher(
+            order, {g: lay.params for g, lay in layouts.items()}, self._launch, self._into_bucket
+        )
         self.in_graph: set[int] = set()  # buckets a compiled backward graph reduces itself (runtime/compiled.py)
 
     def begin(self, armed: bool) -> None:
@@ -218,24 +172,29 @@ class ReplicatedHolder(Holder):
         self.launcher.reset(self.order if armed else ())
 
     def _into_bucket(self, param: torch.Tensor) -> None:
-        view = self.view_of[id(param)]
-        if param.grad is None or param.grad is view or self.launcher.group_of[id(param)] in self.in_graph:
-            return  # held back for a zero-bubble W, accumulating in place, or a compiled backward's bucket
+        view = self.view_of.get(id(param))
+        if (
+            view is None
+            or param.grad is None
+            or param.grad is view
+            or self.launcher.group_of[id(param)] in self.in_graph
+        ):
+            return  # unbucketed, held back for a zero-bubble W, accumulating in place, or a compiled backward's bucket
         view.copy_(param.grad)
         param.grad = view
         self.filled.add(id(param))
 
     def grad_slot(self, param: torch.Tensor) -> torch.Tensor | None:
         """Where a zero-bubble W writes ``param``'s first gradient of a step, outside autograd: its bucket view."""
-        if self.launcher.group_of[id(param)] in self.in_graph:  # a compiled backward's bucket: no view to write
-            return None
+        if id(param) not in self.view_of or self.launcher.group_of[id(param)] in self.in_graph:
+            return None  # unbucketed, or a compiled backward's bucket: no view to write
         self.filled.add(id(param))  # the caller writes the gradient there
         return self.view_of[id(param)]
 
     def _zero_unfilled(self, g: int) -> None:
         """Slots no gradient reached this step (a parameter frozen since) hold an earlier step's: zeros go into the
         reduction, so a summed group (tied weights) reads none of it."""
-        for param in self.layouts[g].params:
+        for param in self.layouts[g].params if g in self.views else ():
             if id(param) not in self.filled:
                 self.view_of[id(param)].zero_()
 
@@ -243,13 +202,14 @@ class ReplicatedHolder(Holder):
         self.launcher.arm(self.groups_of(stage))
 
     def _launch(self, g: int) -> None:
-        if self.dp > 1 and g not in self.in_graph:
+        if g in self.unbucketed:
+            for param in self.layouts[g].params:
+                if param.grad is not None:
+                    param.grad.div_(self.dp)
+        elif self.dp > 1 and g not in self.in_graph:
             self._zero_unfilled(g)
             wire = self.wire(self.buffers[g]).div_(self.dp)
-            if self.layouts[g].dp > 1:  # an expert group held by one rank is only divided
-                self.works[g] = (self.comm_of(g).all_reduce(wire, async_op=True), wire)
-            elif wire is not self.buffers[g]:
-                self.buffers[g].copy_(wire)
+            self.works[g] = (self.comm_of(g).all_reduce(wire, async_op=True), wire)
 
     def end(self) -> None:
         self.launcher.flush()
@@ -273,7 +233,7 @@ class ReplicatedHolder(Holder):
         return self.buffers[gid]
 
     def memory(self) -> dict[str, int]:
-        grads = [p.grad for g in self.in_graph for p in self.layouts[g].params if p.grad is not None]
+        grads = [p.grad for g in self.in_graph | self.unbucketed for p in self.layouts[g].params if p.grad is not None]
         reduced = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}  # one per bucket
         gradients = _nbytes(self.buffers.values()) + sum(reduced.values())
         return {"parameters": _nbytes(self.params()), "gradients": gradients}

@@ -682,7 +682,7 @@ MUTANTS: list[dict] = [
     },
     {
         "name": "91_zero_bubble_counts_a_held_back_weight_in_b",
-        "file": "autoshard/runtime/holders.py",
+        "file": "autoshard/runtime/launcher.py",
         "why": "the empty accumulation autograd runs for a weight whose gradient B held back counts as its arrival",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "on_its_edges and dp2",
@@ -1191,5 +1191,15 @@ MUTANTS: list[dict] = [
         "why": "LocalRanks' ranks keep running, holding memory and cores, after their parent is killed",
         "tests": ["tests/test_local_ranks.py"],
         "k": "parent_is_killed",
+    },
+    {
+        "name": "161_unbucketed_expert_grads_not_divided",
+        "file": "autoshard/runtime/holders.py",
+        "why": (
+            "an expert group held by one rank (ep = dp) keeps its gradients unbucketed and forgets to divide them "
+            "by dp: the sum over the global batch, not its mean"
+        ),
+        "tests": ["tests/test_experts.py"],
+        "k": "clipping_counts and mixtral",
     },
 ]
