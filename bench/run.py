@@ -537,15 +537,35 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
         program.step(x, target=y)
 
     idle: list[float] = []
+    windows: list[tuple[float, float, float]] = []  # each step's (start, seconds, busy seconds) on the host's clock
 
     def our_step_measured(x: torch.Tensor, y: torch.Tensor) -> None:
         our_step(x, y)
-        idle.append(program.pipeline_stats.idle_fraction)
+        stats = program.pipeline_stats
+        idle.append(stats.idle_fraction)
+        windows.append((stats.started_at, stats.step_seconds, stats.busy_seconds))
 
     timings = _alternate(our_step_measured, their_step, data, rounds)
     in_flight = program.pipeline_stats.peak_in_flight
     peak = _peak_allocated(lambda: our_step(*data[0]))  # activations and a step's temporaries
-    return {"timings": timings, "idle": statistics.median(idle), "in_flight": in_flight, "peak": peak}
+    return {
+        "timings": timings,
+        "idle": statistics.median(idle),
+        "windows": windows,
+        "in_flight": in_flight,
+        "peak": peak,
+    }
+
+
+def _common_idle(results: list[dict[str, Any]]) -> float:
+    """The mean idle fraction per rank over each step's common window (the first rank's start to the last rank's
+    end, one clock for the host's ranks), the median over steps. A rank's own window (``idle``) ends with its
+    last action and leaves out its wait for the others at the step's end, which (p-1)/(m+p-1) counts."""
+    per_step = []
+    for steps in zip(*(r["windows"] for r in results)):
+        start, end = min(s for s, _, _ in steps), max(s + seconds for s, seconds, _ in steps)
+        per_step.append(statistics.mean(1 - busy / (end - start) for _, _, busy in steps))
+    return statistics.median(per_step)
 
 
 def _alternate(
@@ -595,6 +615,15 @@ def bench_pipeline() -> None:
                 statistics.mean(idle) / bubble,
                 "within 0.8-1.2",
             )
+            common = _common_idle(results)
+            report(
+                f"pp={ranks} {schedule}, m={m}: mean idle fraction per rank over the step's common window vs "
+                f"(p-1)/(m+p-1)",
+                f"{common:.3f}",
+                f"formula {bubble:.3f}",
+                common / bubble,
+                "reported",
+            )
             if ranks == 2:
                 continue
             report(
@@ -633,6 +662,7 @@ def bench_zero_bubble() -> None:
             with LocalRanks(ranks) as pool:
                 results[schedule] = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=3)
         idle = {s: statistics.mean(r["idle"] for r in results[s]) for s in results}
+        common = {s: _common_idle(results[s]) for s in results}
         step = {
             (s, who): statistics.median(t for r in results[s] for t in r["timings"][who])
             for s in results
@@ -653,6 +683,13 @@ def bench_zero_bubble() -> None:
                 f"1f1b {idle['1f1b']:.3f}",
                 idle[schedule] / idle["1f1b"],
                 targets[schedule],
+            )
+            report(
+                f"pp={ranks} m={m}: mean idle fraction per rank over the step's common window, {schedule} vs 1f1b",
+                f"{common[schedule]:.3f}",
+                f"1f1b {common['1f1b']:.3f}",
+                common[schedule] / common["1f1b"],
+                "reported",
             )
             report(
                 f"pp={ranks} m={m}: {schedule} step (gloo, CPU)",
