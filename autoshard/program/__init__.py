@@ -147,18 +147,18 @@ class Program(StateMethods):
 
     # ---- running ------------------------------------------------------------------------------
     def _runtime(self, what: str) -> RankRuntime:
+        if self.runtime is not None:  # every step comes here: not a walk over the model's parameters
+            return self.runtime
         if self.is_meta:
             raise DistributedError(
                 f"{what} needs real parameters, but the model is on the meta device: this program is for "
                 f"planning and inspection; build the model on a real device and compile again to train"
             )
-        if self.runtime is None:
-            raise DistributedError(
-                f"{what} needs a process group of {self.mesh.size} ranks, but none is initialized: this program "
-                f"was compiled offline for inspection; call torch.distributed.init_process_group() before "
-                f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
-            )
-        return self.runtime
+        raise DistributedError(
+            f"{what} needs a process group of {self.mesh.size} ranks, but none is initialized: this program "
+            f"was compiled offline for inspection; call torch.distributed.init_process_group() before "
+            f"autoshard.compile (e.g. under torchrun --nproc-per-node {self.mesh.size})"
+        )
 
     # ---- data per rank (program/data.py) --------------------------------------------------------
     @property

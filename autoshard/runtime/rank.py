@@ -20,6 +20,7 @@ optimizer steps and the holder writes the update back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -278,8 +279,8 @@ class RankRuntime:
         with self.autocast():
             return call(*args)
 
-    @property
-    def input_shapes(self) -> list[Any]:
+    @functools.cached_property
+    def input_shapes(self) -> list[Any]:  # once: every step reads them, and the captured graph does not change
         inputs = [n for n in self.compiled.captured.gm.graph.nodes if n.op == "placeholder"]
         return [next(iter(get_shape(n).tensors), None) for n in inputs]
 
@@ -336,9 +337,9 @@ class RankRuntime:
         if self.steps == 0 and self.compiler is not None:
             self.compiler.check_compiled()
         self._sum_over_model()
-        counted = holder.grad_views(self._counts_in_norm)
-        scaled = holder.grad_views(lambda p: True)
         if plan.max_grad_norm is not None:
+            counted = holder.grad_views(self._counts_in_norm)
+            scaled = holder.grad_views(lambda p: True)
             self.last_grad_norm = clip_by_global_norm(counted, scaled, plan.max_grad_norm, self._sum_all, self.device)
         # The loss of the last stage's ranks (tp rank 0 counts it once), summed over every rank while
         # the optimizer steps: the mean over dp x cp (a cp rank's loss is its tokens' share, scaled by cp).
