@@ -5,9 +5,10 @@ parameter into ``matmul_deferring_weight_grad``. Its backward computes the input
 gradient at once, as the op's own backward would; the weight's gradient too, unless a pipeline's B
 is collecting (``WEIGHT_GRADS.collect()``): then it keeps the two factors of that gradient (the
 matmul's input and its output's gradient) and returns none, and the schedule's W for that stage and
-microbatch computes them later (``apply``) and adds them into ``.grad``: the stage's last W through
-autograd, so that the gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see the completed gradients
-arrive as they see any other, the earlier W's in place (one fused multiply-add a weight). A pipeline
+microbatch computes them later (``apply``) and adds them into ``.grad`` in place (one fused multiply-add a
+weight); the stage's last W then runs each weight's post-accumulate-grad hooks, as autograd's accumulation
+would, so that the gradient hooks (dp buckets, ZeRO-1/2 reduce-scatter) see the completed gradients arrive
+as they see any other. A pipeline
 whose schedule has no W (GPipe, 1F1B, run eagerly) collects too and applies them at the end of each B, for
 that in-place add. Under ZeRO-3 the weight is a view of its layer's gather; W needs no gathered value (the
 gradient is the product of the two factors) and adds into the layer's flat gradient as the gather's backward
@@ -122,13 +123,12 @@ class WeightGradStore:
 
     def apply(self, deferred: list[DeferredWeightGrad], completes: bool = True, slot: GradSlot | None = None) -> None:
         """W: compute the held-back weight gradients and accumulate them into ``.grad``, one contribution a
-        weight (a weight read twice is summed first, as autograd sums before it accumulates). ``completes``:
-        whether this is the stage's last W. Its accumulations go through autograd, one backward call a
-        weight, so that each parameter's gradient hook fires once, with every contribution in: they are the
-        gradients' arrivals. An earlier W's are no arrival, so it adds in place (a fused multiply-add,
-        ``add_into``) and fires no hook; a weight's first gradient of the step goes where ``slot(weight)`` says its
-        holder keeps it (a gradient bucket's view), else it is the fresh product, kept until the stage's
-        last W hands it to the holder: a weight's worth of bytes a weight in the meantime."""
+        weight (a weight read twice is summed first, as autograd sums before it accumulates), in place (a fused
+        multiply-add, ``add_into``). ``completes``: whether this is the stage's last W; then each weight's
+        post-accumulate-grad hooks run once, with every contribution in: they are the gradients' arrivals. An
+        earlier W's are no arrival and fire no hook. A weight's first gradient of the step goes where
+        ``slot(weight)`` says its holder keeps it (a gradient bucket's view), else it is the fresh product, which
+        the hooks hand to the holder: kept until the stage's last W, a weight's worth of bytes a weight."""
         if not deferred:
             return
         uses: dict[int, int] = {}
@@ -146,12 +146,14 @@ class WeightGradStore:
                 grads[index] = grad if grads[index] is None else grads[index] + grad
                 continue
             if uses[id(item.weight)] == 1:  # added at once: the scratch buffer is free again for the next
-                into = _first_slot(item.weight, completes, slot)
+                into = _first_slot(item.weight, slot)
                 if into is not None:
                     item.weight.grad = item.compute(into=into)
+                    _arrived(item.weight, completes)
                     continue
-                if not completes and item.weight.grad is not None and item.add_into(item.weight.grad):
-                    continue  # an earlier W: into .grad in place, as autograd's accumulation would add it
+                if item.weight.grad is not None and item.add_into(item.weight.grad):
+                    _arrived(item.weight, completes)  # into .grad in place, as autograd's accumulation would add it
+                    continue
                 reuse = item.weight.grad is not None  # a first gradient is kept, so it is a fresh tensor
                 self._accumulate(item.weight, item.compute(self._scratch if reuse else None), completes, slot)
                 continue
@@ -168,22 +170,31 @@ class WeightGradStore:
 
     @staticmethod
     def _accumulate(weight: torch.Tensor, grad: torch.Tensor, completes: bool, slot: GradSlot | None) -> None:
-        if completes:
-            torch.autograd.backward([weight], [grad])
-        elif weight.grad is not None:
+        if weight.grad is not None:
             weight.grad.add_(grad)
         else:
-            into = _first_slot(weight, completes, slot)
+            into = _first_slot(weight, slot)
             # a fresh product, owned, as autograd's first accumulation keeps it; or copied into the holder's slot
             weight.grad = grad if into is None else into.copy_(grad)
+        _arrived(weight, completes)
 
 
-def _first_slot(weight: torch.Tensor, completes: bool, slot: GradSlot | None) -> torch.Tensor | None:
-    """Where an earlier W writes ``weight``'s first gradient of the step: its holder's slot. The stage's last W
-    accumulates through autograd, whose hook hands the gradient to the holder itself."""
-    if completes or weight.grad is not None or slot is None:
+def _first_slot(weight: torch.Tensor, slot: GradSlot | None) -> torch.Tensor | None:
+    """Where W writes ``weight``'s first gradient of the step: its holder's slot (None: none, or not the first)."""
+    if weight.grad is not None or slot is None:
         return None
     return slot(weight)
+
+
+def _arrived(weight: torch.Tensor, completes: bool) -> None:
+    """The stage's last W completed ``weight``'s gradient: its post-accumulate-grad hooks run, in their order and
+    without autograd, as autograd's accumulation would run them (the holders' arrivals). An earlier W's add is no
+    arrival."""
+    hooks = getattr(weight, "_post_accumulate_grad_hooks", None) if completes else None
+    if hooks:
+        with torch.no_grad():
+            for hook in list(hooks.values()):
+                hook(weight)
 
 
 WEIGHT_GRADS = WeightGradStore()

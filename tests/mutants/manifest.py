@@ -1202,4 +1202,24 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_experts.py"],
         "k": "clipping_counts and mixtral",
     },
+    {
+        "name": "162_the_last_w_fires_no_gradient_hooks",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": (
+            "the stage's last W completes its weights' gradients in place but runs none of their post-accumulate "
+            "hooks: the holders never see them arrive and drop them as unused"
+        ),
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "on_its_edges and pp2-recompute",
+    },
+    {
+        "name": "163_every_w_is_an_arrival",
+        "file": "autoshard/graph_ops/weight_grad.py",
+        "why": (
+            "every W runs its weights' gradient hooks, not only the stage's last: a bucket is reduced before the "
+            "later microbatches' gradients are in"
+        ),
+        "tests": ["tests/test_zero_bubble.py"],
+        "k": "on_its_edges and dp2",
+    },
 ]
