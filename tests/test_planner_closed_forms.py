@@ -7,6 +7,7 @@ profile, so a term cannot drift without a test naming it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 
@@ -185,6 +186,21 @@ def test_zero3_gathers_every_layer_twice_a_microbatch(model_and_costing, micro: 
     gathers = 2 * micro * w * (DP - 1) / DP / BW  # forward and backward, each layer's group
     exposed = max(gathers - TOY.overlap * time.compute, 0.0)
     assert time.zero3 == pytest.approx(exposed + largest * (DP - 1) / DP / BW, rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_cpu_ranks_step_at_the_hosts_optimizer_bandwidth_devices_at_their_memorys(model_and_costing, zero) -> None:
+    """A device's step streams its memory (20 passes of fp32 an element); CPU ranks step at the bandwidth
+    Hardware.measure() times an AdamW step at (their caches keep part of each parameter's passes), the
+    host's figure; ZeRO steps a dp share. No cores shared here: the step once."""
+    case, costing = model_and_costing
+    master = sum(sum(v) for v in held_per_rank(case, 1, 1)[0].values()) * 4 // (DP if zero else 1)
+    plan = Plan(dp=DP, zero=zero)
+    device = costing.candidate(plan, with_timeline=False).time.optimizer
+    assert device == pytest.approx(ADAM_PASSES * master / TOY.memory_bandwidth, rel=1e-9)  # op_overhead 0
+    on_cpu = Costing(costing.profile, costing.sizes, dataclasses.replace(TOY, kernels="cpu"))
+    host = on_cpu.candidate(plan, with_timeline=False).time.optimizer
+    assert host == pytest.approx(ADAM_PASSES * master / TOY.host_memory_bandwidth, rel=1e-9)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])

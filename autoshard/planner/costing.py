@@ -339,6 +339,8 @@ class Costing:
             # each a copy per flat group, the step a few eager CPU kernels per group.
             optimizer = touched / hw.host_memory_bandwidth + ADAM_KERNELS * HOST_OP_OVERHEAD
             offload = 2 * (master / shard / hw.host_bandwidth + hw.op_overhead)
+        elif hw.kernels == "cpu":  # the host's step, at what Hardware.measure() times an AdamW step at
+            optimizer = hw.sharing(node) * (touched / hw.host_memory_bandwidth + ADAM_KERNELS * hw.op_overhead)
         else:
             # Every rank of a node steps at once: on processors they share, as slowly as their kernels do.
             optimizer = hw.sharing(node) * hw.memory_seconds(touched, kernels=ADAM_KERNELS)

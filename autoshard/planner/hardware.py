@@ -58,7 +58,7 @@ class Hardware:
     inter_bandwidth: float  # per device, between nodes
     inter_latency: float
     host_bandwidth: float  # device <-> host memory (offload)
-    host_memory_bandwidth: float  # bytes/s of the host's optimizer step (offload)
+    host_memory_bandwidth: float  # bytes/s of the host's optimizer step (offload; on CPU ranks, every step's)
     overlap: float = 1.0  # share of an asynchronous collective that hides behind concurrent compute
     blocking: tuple[str, ...] = ()  # collectives the runtime issues synchronously here (they never overlap)
     kernels: str = "cuda"  # whose kernels run, "cuda" or "cpu" (what autograd keeps differs: passes.saved_tensors)

@@ -1222,4 +1222,14 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_zero_bubble.py"],
         "k": "on_its_edges and dp2",
     },
+    {
+        "name": "164_cpu_ranks_step_at_the_copy_bandwidth",
+        "file": "autoshard/planner/costing.py",
+        "why": (
+            "the planner costs a CPU rank's optimizer step at the memory's copy bandwidth, not at the AdamW step's "
+            "that Hardware.measure() times (twice as slow as measured on the MoE bench's ranks)"
+        ),
+        "tests": ["tests/test_planner_closed_forms.py"],
+        "k": "hosts_optimizer",
+    },
 ]
