@@ -20,7 +20,7 @@ from autoshard.planner.degrees import default_microbatches, divisors, factorizat
 from autoshard.planner.report import Candidate, PlanReport, fmt_bytes
 from autoshard.spec.mesh import Mesh
 from autoshard.spec.plan import Plan, is_mixed_precision
-from autoshard.spec.schedules import V_SCHEDULES
+from autoshard.spec.schedules import SEVERAL_STAGES, V_SCHEDULES
 
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
@@ -176,7 +176,7 @@ def _pipeline_options(
             stages = len(overrides["pp_cuts"]) + 1
             vs = [stages // pp] if stages % pp == 0 else [1]
             v_shaped = schedule in V_SCHEDULES
-            if (schedule == "interleaved_1f1b" or v_shaped) != (vs[0] > 1) or (v_shaped and vs[0] != 2):
+            if (schedule in SEVERAL_STAGES) != (vs[0] > 1) or (v_shaped and vs[0] != 2):
                 continue
         elif schedule == "interleaved_1f1b":
             vs = _options("virtual_stages", overrides, [v for v in (2, 3, 4, 6, 8) if costing.allows(pp=pp * v)])
@@ -194,8 +194,7 @@ def _pipeline_options(
                 continue
             vs = [1]
         # Unequal stages (the ends lighter) where pp x v does not divide the blocks: asked for, or a fixed mesh.
-        several = ("interleaved_1f1b", *V_SCHEDULES)  # schedules of several stages a rank
-        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in several
+        asked = fixed_mesh or "virtual_stages" in overrides or overrides.get("schedule") in SEVERAL_STAGES
         for v in vs:
             if v > 1 and not asked and costing.blocks % (pp * v):
                 refused[

@@ -11,7 +11,7 @@ import torch
 
 from autoshard.errors import PlanError
 from autoshard.spec.mesh import Mesh
-from autoshard.spec.schedules import SPLIT_BACKWARD, V_SCHEDULES, Schedule
+from autoshard.spec.schedules import SEVERAL_STAGES, SPLIT_BACKWARD, V_SCHEDULES, Schedule
 
 __all__ = [
     "CP_ATTENTION",
@@ -156,9 +156,9 @@ class Plan:
                     f"virtual_stages={self.virtual_stages}"
                 )
             object.__setattr__(self, "virtual_stages", 2)
-        if self.pp == 1 and self.schedule_name in ("interleaved_1f1b", *V_SCHEDULES):
+        if self.pp == 1 and self.schedule_name in SEVERAL_STAGES:
             object.__setattr__(self, "virtual_stages", 1)  # pp=1 runs no schedule: the model is one stage
-        if self.virtual_stages > 1 and self.schedule_name not in ("interleaved_1f1b", *V_SCHEDULES, "custom"):
+        if self.virtual_stages > 1 and self.schedule_name not in (*SEVERAL_STAGES, "custom"):
             raise PlanError(
                 f"virtual_stages={self.virtual_stages} puts several stages on each rank, which only "
                 f"schedule='interleaved_1f1b' runs; use that schedule or virtual_stages=1"

@@ -9,7 +9,7 @@ forward and backward crossing.
 
 from __future__ import annotations
 
-from autoshard.spec.schedules import V_SCHEDULES, Action, Schedule, ScheduleError
+from autoshard.spec.schedules import SEVERAL_STAGES, V_SCHEDULES, Action, Schedule, ScheduleError
 
 __all__ = ["build_schedule", "dualpipev", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zb_h2", "zbv"]
 
@@ -331,7 +331,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         raise ScheduleError(
             f"unknown schedule {name!r}; choose gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zbv or dualpipev"
         )
-    if name not in ("interleaved_1f1b", *V_SCHEDULES) and virtual_stages != 1:
+    if name not in SEVERAL_STAGES and virtual_stages != 1:
         raise ScheduleError(f"{name} runs one stage per rank; virtual_stages={virtual_stages} needs interleaved_1f1b")
     if validate:
         schedule.validate()

@@ -28,11 +28,12 @@ from typing import Any
 
 from autoshard.errors import PlanError
 
-__all__ = ["SPLIT_BACKWARD", "V_SCHEDULES", "Action", "Schedule", "ScheduleError"]
+__all__ = ["SEVERAL_STAGES", "SPLIT_BACKWARD", "V_SCHEDULES", "Action", "Schedule", "ScheduleError"]
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
 SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # the named schedules whose backward is split into B and W
 V_SCHEDULES = ("zbv", "dualpipev")  # the named schedules of two stages a rank, placed as a V
+SEVERAL_STAGES = ("interleaved_1f1b", *V_SCHEDULES)  # the named schedules of several stages a rank
 
 
 class ScheduleError(PlanError):
