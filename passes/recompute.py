@@ -19,7 +19,9 @@ backward runs. The choice (``Plan.recompute``):
                    weighed on what each kernel really keeps (``Deals``), so a fused attention kernel,
                    which keeps its inputs and a log-sum-exp, is kept
     0 < share < 1  the spans of each block that keep at most that share of the bytes autograd keeps, at the
-                   least work repeated: FLOPs, and bytes moved (passes/recompute_budget.py)
+                   least work repeated: FLOPs, and bytes moved (passes/recompute_budget.py); and matmuls
+                   whose saved input its producer (a norm, an activation) makes again in backward, each
+                   rewritten into a ``recompute.input_recomputed`` call
     (names, ...)   those blocks, each one region
     "none"         no region but the model's own torch.utils.checkpoint calls, which every choice honours
 
@@ -64,7 +66,7 @@ from autoshard.sharding.matmul import matmul_dims
 
 from . import recompute_budget, saved_tensors
 from .infra import Need, Pass, PassResult, calls_to
-from .recompute_budget import Deals
+from .recompute_budget import Deals, InputRecipe
 
 __all__ = ["PASS", "Deals", "blocks", "run"]
 
@@ -261,10 +263,46 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], move: list[fx.Node], nam
     return call
 
 
-def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[str, int] | None = None) -> PassResult:
+def _remake_input(recipe: InputRecipe, name: str, deals: Deals) -> RecomputeRegion:
+    """Each matmul of ``recipe`` becomes an input_recomputed call, told what makes its saved input again."""
+    producer, calls = recipe.producer, []
+    for node in recipe.consumers:
+        graph = node.graph
+        with graph.inserting_before(node):
+            call = graph.call_function(
+                recompute.input_recomputed,
+                (
+                    recompute.callable_name(node.target),
+                    producer,
+                    producer.target,
+                    producer.args,
+                    producer.kwargs,
+                    *node.args,
+                ),  # fmt: skip
+                dict(node.kwargs),
+            )
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        calls.append(call)
+    inputs = tuple(a.name for a in producer.all_input_nodes)
+    freed, flops = deals.freed(recipe), deals.flops(recipe)
+    made = RecomputeRegion(name, get_layer(producer), 1, inputs, freed, flops, remade=producer.name)
+    calls[0].meta[RECOMPUTE] = made  # once a recipe, on its first matmul (what explain() and the planner read)
+    return made
+
+
+def run(
+    gm: fx.GraphModule,
+    choice: Any,
+    device_type: str = "cpu",
+    sizes: dict[str, int] | None = None,
+    remade_inputs: bool = True,
+) -> PassResult:
     """``choice``: Plan.recompute; ``device_type``: whose kernels run ("cpu" or "cuda": what they keep differs);
-    ``sizes``: the sizes selective recomputation weighs its choices at (B cancels out; S does not). The value:
-    the RecomputeRegion of each region made."""
+    ``sizes``: the sizes selective recomputation weighs its choices at (B cancels out; S does not);
+    ``remade_inputs``: whether a budget may make matmuls' inputs again (not under autocast, where a matmul
+    keeps its own cast copy of the input). The value: the RecomputeRegion of each region made."""
     made = []
     candidates = _candidates(gm, choice)
     deals = Deals(gm, device_type) if candidates else None
@@ -276,8 +314,12 @@ def run(gm: fx.GraphModule, choice: Any, device_type: str = "cpu", sizes: dict[s
         deals = deals or Deals(gm, device_type)
         user = [r for r in candidates if USER_RECOMPUTE in r[0].meta]
         at = sizes or saved_tensors.PROBE
-        candidates = recompute_budget.choose(_candidates(gm, "full"), user, deals, choice, at, _kept, device_type)
-    for nodes in candidates:  # (each region's freed bytes as the graph stood before any was outlined)
+        candidates = recompute_budget.choose(
+            _candidates(gm, "full"), user, deals, choice, at, _kept, device_type, remade_inputs
+        )
+    for recipe in [c for c in candidates if isinstance(c, InputRecipe)]:
+        made.append(_remake_input(recipe, f"recompute_{len(made)}", deals))
+    for nodes in [c for c in candidates if not isinstance(c, InputRecipe)]:  # (freed bytes as the graph stood)
         closed = _closure(nodes)
         if closed is not None:
             call = _outline(gm, *closed, f"recompute_{len(made)}", deals)

@@ -9,23 +9,33 @@ each block contributes its Pareto front of (bytes freed, cost), and a knapsack o
 FLOPs, and bytes moved weighed by the device's FLOPs per byte. Checkmate (Jain et
 al. 2020) solves the same problem over single ops as an ILP; spans between matmuls lose little (a run of
 pointwise ops between two kept matmuls is worth recomputing whole or not at all) and keep it polynomial.
+
+A span that ends just before a kept matmul frees nothing, though: the matmul keeps its input for the weight's
+gradient. So a block's choices also hold ``InputRecipe``s: a matmul's saved input made again by the op that made
+it (a norm, an activation, a gate's product) from what that op keeps anyway (graph_ops.recompute
+.input_recomputed), the matmul itself not repeated; for a GPT block the two norms' and the GELU's outputs,
+6 of the 15 sbh Korthikanti et al. count, at pointwise cost. Each is a span from its producer to its last
+matmul in the block's order, so that it and the spans the choice holds are disjoint.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 from torch import fx
 
-from autoshard.ir.meta import COST, SHAPE, USER_RECOMPUTE, evaluate_expr
-from autoshard.ir.ops import ALIASING, packet
+from autoshard.graph_ops import zero
+from autoshard.ir.meta import COST, SHAPE, USER_RECOMPUTE, evaluate_expr, get_shape
+from autoshard.ir.ops import ALIASING, RANDOM, packet, storage_root
 
 from . import saved_tensors
 
-__all__ = ["Deals", "choose"]
+__all__ = ["Deals", "InputRecipe", "choose", "recipes"]
 
 # Bytes on the knapsack's grid: at least this many cells, more with more blocks (each block's rounding down
 # costs at most one cell), at most the cap (the table is blocks x cells).
@@ -44,6 +54,18 @@ _RESOLVES = 3
 FLOPS_PER_BYTE = {"cuda": 150.0, "cpu": 40.0}
 
 
+@dataclass(frozen=True)
+class InputRecipe:
+    """Kept matmuls (``consumers``) whose saved input, ``producer``'s output, is made again in backward."""
+
+    producer: fx.Node
+    consumers: tuple[fx.Node, ...]
+
+    def repeated(self) -> list[fx.Node]:
+        """The work repeated: the producer, once (the matmuls share what it makes again)."""
+        return [self.producer]
+
+
 class Deals:
     """What recomputing a set of nodes frees for backward and what it repeats, from what each op really saves
     (passes/saved_tensors.py) and its FLOPs (passes/cost_model.py), symbolic in B and S."""
@@ -57,7 +79,7 @@ class Deals:
                 self.savers.setdefault(key, set()).add(node)
                 self.size.setdefault(key, nbytes)
 
-    def freed(self, nodes: list[fx.Node]) -> sympy.Expr:
+    def freed(self, nodes: Any) -> sympy.Expr:
         """Bytes no longer kept once ``nodes`` recompute: what only they keep, less their inputs (now kept)."""
         return self.freed_apart([nodes])
 
@@ -70,7 +92,8 @@ class Deals:
         return sympy.expand(sympy.Add(*self.size.values()))
 
     @staticmethod
-    def flops(nodes: list[fx.Node]) -> sympy.Expr:
+    def flops(nodes: Any) -> sympy.Expr:
+        nodes = nodes.repeated() if isinstance(nodes, InputRecipe) else nodes
         return sympy.expand(sympy.Add(*(n.meta[COST].flops_fwd for n in nodes if COST in n.meta)))
 
     @staticmethod
@@ -97,8 +120,9 @@ class _Priced:
         """``Deals.freed_apart``, in bytes."""
         return _freed(self.deals, regions, self.size, self._input, 0.0)
 
-    def cost(self, nodes: list[fx.Node]) -> float:
+    def cost(self, nodes: Any) -> float:
         """FLOPs repeated and bytes moved, weighed, and one region's worth."""
+        nodes = nodes.repeated() if isinstance(nodes, InputRecipe) else nodes
         for node in nodes:
             if node not in self._costs:
                 self._costs[node] = self.at(Deals.flops([node])) + self.per_byte * self.at(Deals.moved([node]))
@@ -114,46 +138,90 @@ class _Priced:
 def _freed(deals: Deals, regions: list[list[fx.Node]], size: dict, kept_input: Callable, zero: Any) -> Any:
     """What only the regions' nodes keep, less what their inputs keep from now on: ``size`` of each kept value
     (expressions or numbers), ``kept_input`` the (key, bytes) an input keeps or None."""
-    members = {node for region in regions for node in region}
-    inputs = {}
+    members = {node for region in regions if not isinstance(region, InputRecipe) for node in region}
+    inputs, unsaved = {}, {}  # unsaved: a recipe's value, no longer kept by the matmuls that read it again
     for region in regions:
-        own = set(region)
-        for node in region:
+        if isinstance(region, InputRecipe):
+            made = kept_input(region.producer)
+            if made is not None:
+                unsaved.setdefault(made[0], set()).update(region.consumers)
+        own = {region.producer} if isinstance(region, InputRecipe) else set(region)
+        for node in own:
             for arg in node.all_input_nodes:
-                kept = kept_input(arg) if arg not in own else None
+                kept = kept_input(arg) if arg not in own or isinstance(region, InputRecipe) else None
                 if kept is not None:
                     inputs[kept[0]] = kept[1]
     total = zero
-    for key in {key for node in members for key, _ in deals.saves.get(node, ())} | set(inputs):
+    for key in {key for node in members for key, _ in deals.saves.get(node, ())} | set(inputs) | set(unsaved):
         before = key in deals.savers
-        after = bool(deals.savers.get(key, set()) - members) or key in inputs
+        after = bool(deals.savers.get(key, set()) - members - unsaved.get(key, set())) or key in inputs
         total += (int(before) - int(after)) * size.get(key, inputs.get(key, zero))
     return total
 
 
-def _front(run: list[fx.Node], kept: Callable[[fx.Node], bool], priced: _Priced) -> list[tuple]:
-    """One block's Pareto front of (bytes freed, cost, spans) over its sets of disjoint spans, each span a
-    (first, last) index pair; disjoint spans' bytes add (what two spans both keep, or both read, is counted
-    apart: ``choose`` settles the chosen set exactly)."""
+def _front(run: list[fx.Node], kept: Callable[[fx.Node], bool], priced: _Priced, made: list) -> list[tuple]:
+    """One block's Pareto front of (bytes freed, cost, choices) over its sets of disjoint choices, each a span
+    (a (first, last) index pair) or one of ``made`` (its InputRecipes); disjoint choices' bytes add (what two
+    both keep, or both read, is counted apart: ``choose`` settles the chosen set exactly)."""
     matmuls = [i for i, n in enumerate(run) if kept(n)]
     starts = sorted({0, *(i + 1 for i in matmuls if i + 1 < len(run))})
     ends = sorted({*matmuls, *(i - 1 for i in matmuls if i > 0), len(run) - 1})
-    spans: dict[int, list[tuple[int, int, float, float]]] = {}
+    options: dict[int, list[tuple[Any, int, float, float]]] = {}
     for lo in starts:
         for hi in ends:
             nodes = run[lo : hi + 1]
             if lo <= hi and not any(USER_RECOMPUTE in n.meta for n in nodes):
                 gain = priced.freed([nodes])
                 if gain > 0:
-                    spans.setdefault(lo, []).append((lo, hi, gain, priced.cost(nodes)))
+                    options.setdefault(lo, []).append(((lo, hi), hi, gain, priced.cost(nodes)))
+    at = {node: i for i, node in enumerate(run)}
+    for recipe in made:
+        gain = priced.freed([recipe])
+        if gain > 0:
+            last = max(at[c] for c in recipe.consumers)
+            options.setdefault(at[recipe.producer], []).append((recipe, last, gain, priced.cost(recipe)))
+    points = sorted({*starts, *options, len(run)})
     fronts: dict[int, list[tuple]] = {len(run): [(0.0, 0.0, ())]}
-    after = lambda i: next((s for s in starts if s > i), len(run))  # noqa: E731  (the next start past i)
-    for lo in reversed(starts):  # the best sets of spans that start at ``lo`` or later
-        options = list(fronts[after(lo)])
-        for first, last, gain, cost in spans.get(lo, ()):
-            options += [(gain + f, cost + c, ((first, last), *rest)) for f, c, rest in fronts[after(last)]]
-        fronts[lo] = _pareto(options)
-    return fronts[starts[0]] if starts else [(0.0, 0.0, ())]
+    after = lambda i: next(p for p in points if p > i)  # noqa: E731  (the next place a choice may start past i)
+    for lo in reversed(points[:-1]):  # the best sets of choices that start at ``lo`` or later
+        best = list(fronts[after(lo)])
+        for choice, last, gain, cost in options.get(lo, ()):
+            best += [(gain + f, cost + c, (choice, *rest)) for f, c, rest in fronts[after(last)]]
+        fronts[lo] = _pareto(best)
+    return fronts[points[0]]
+
+
+def recipes(run: list[fx.Node], kept: Callable[[fx.Node], bool], deals: Deals) -> list[InputRecipe]:
+    """The block's values that only kept matmuls keep and that their producer can make again from what it keeps
+    anyway: one fresh tensor of a deterministic op (not a matmul, not communication, not random), whose inputs
+    are parameters (not ZeRO-3 gathered: freed after forward) or activations something keeps."""
+    made = []
+    members = set(run)
+    for node in run:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or kept(node):
+            continue
+        if node.target in RANDOM or packet(node.target) in ALIASING or USER_RECOMPUTE in node.meta:
+            continue
+        shape = get_shape(node)
+        if len(shape.tensors) != 1 or shape.tensors[0] is None or storage_root(node) is not node:
+            continue
+        savers = deals.savers.get(node, set())
+        if not savers or not all(s in members and kept(s) and USER_RECOMPUTE not in s.meta for s in savers):
+            continue
+        if not all(_remade_from(arg, deals) for arg in node.all_input_nodes):
+            continue
+        made.append(InputRecipe(node, tuple(n for n in run if n in savers)))
+    return made
+
+
+def _remade_from(arg: fx.Node, deals: Deals) -> bool:
+    """Whether the producer can read ``arg`` again in backward with nothing more kept."""
+    root = storage_root(arg)
+    if isinstance(root, fx.Node) and root.target is operator.getitem:
+        if getattr(root.args[0], "target", None) is zero.gather:
+            return False  # a ZeRO-3 gathered parameter: freed after its last use in forward
+    kept = saved_tensors.activation(arg)
+    return kept is None or kept[0] in deals.savers
 
 
 def _pareto(options: list[tuple]) -> list[tuple]:
@@ -173,18 +241,26 @@ def choose(
     sizes: dict[str, int],
     kept: Callable[[fx.Node], bool],
     device_type: str,
-) -> list[list[fx.Node]]:
-    """The spans of ``runs`` (each block's nodes, what "full" recomputes of it) to recompute besides ``user``
-    (the model's own checkpointed regions, which stay) so that at most ``budget`` of the kept bytes stay
-    kept, at the least work repeated (FLOPs and bytes moved, ``FLOPS_PER_BYTE`` of ``device_type``'s kernels);
-    everything recomputable where the budget cannot be met."""
+    remade_inputs: bool = True,
+) -> list[Any]:
+    """The spans of ``runs`` (each block's nodes, what "full" recomputes of it) and InputRecipes to recompute
+    besides ``user`` (the model's own checkpointed regions, which stay) so that at most ``budget`` of the kept
+    bytes stay kept, at the least work repeated (FLOPs and bytes moved, ``FLOPS_PER_BYTE`` of ``device_type``'s
+    kernels); everything recomputable where the budget cannot be met."""
     priced = _Priced(deals, sizes, FLOPS_PER_BYTE[device_type])
     need = sum(priced.size.values()) * (1.0 - budget)
-    fronts = [_front(run, kept, priced) for run in runs]
+    fronts = [_front(run, kept, priced, recipes(run, kept, deals) if remade_inputs else []) for run in runs]
     user_freed = priced.freed(user) if user else 0.0
     gap = need - user_freed
     picks = _knapsack(fronts, gap)
-    regions = lambda: [run[lo : hi + 1] for run, f, p in zip(runs, fronts, picks) for lo, hi in f[p][2]]  # noqa: E731
+
+    def regions() -> list[Any]:  # the choices the current picks make
+        return [
+            c if isinstance(c, InputRecipe) else run[c[0] : c[1] + 1]
+            for run, f, p in zip(runs, fronts, picks)
+            for c in f[p][2]
+        ]
+
     # The fronts add each block's bytes apart, but neighbouring blocks recomputed together free more (the value
     # between them is kept once, as the later region's input): where the chosen set frees more than its sum
     # says, solve again for a need lowered by that surplus, and keep the cheaper set while it meets the need.

@@ -10,7 +10,8 @@ evaluated at two primes far from every model dimension (B = 1009, S = 1013), und
 the tensor it views (a view of a fused QKV output keeps all of it). A tensor the op makes for itself
 (a dropout mask, attention's log-sum-exp, a norm's statistics) gets its sizes back from the primes.
 Parameters and graph inputs are not activations. A recompute region keeps only its inputs; the
-saves of its own nodes are live only while its backward runs (``ActivationMemory.transient``).
+saves of its own nodes are live only while its backward runs (``ActivationMemory.transient``). A matmul
+whose saved input is made again (``recompute.input_recomputed``) keeps the producer's inputs instead.
 
 Under autocast (the plan's ``autocast`` dtype) a value's bytes follow its dtype at run time, and an op that
 autocast casts for keeps the cast copies of the inputs it saves (autoshard/ir/autocast.py).
@@ -184,6 +185,12 @@ def _ops_saves(node: fx.Node, device_type: str, dtypes: Any = None) -> list[tupl
         lse = sympy.Mul(*q.sizes[:-1]) * 4
         own = [(("own", node, i), t.nbytes) for i, t in enumerate((q, k, v, q))]
         return [*own, *([(mask, 0)] if isinstance(mask, fx.Node) else []), (("own", node, 4), lse)]
+    if target is recompute.input_recomputed:  # the matmul's saves but the value made again, and what makes it
+        made, inputs = node.args[1], [*node.args[1].all_input_nodes]
+        saves = _aten_saves(node, *runs(node), node.kwargs, device_type, dtypes)
+        return [(v, b) for v, b in saves if not isinstance(v, fx.Node) or storage_root(v) is not made] + [
+            (a, 0) for a in inputs
+        ]
     if target is cp_ops.cross_entropy:  # as aten's, on this rank's tokens
         return _aten_saves(node, aten.cross_entropy_loss.default, node.args[1:], node.kwargs, device_type, dtypes)
     if target in (cp_ops.local_tokens, cp_ops.all_reduce, cp_ops.replica_mean):  # an index, or nothing

@@ -318,3 +318,67 @@ def test_every_choice_keeps_the_models_own_checkpoints(choice: Any) -> None:
                                 plan={"recompute": choice})  # fmt: skip
     gm = program.for_rank(0).graph_modules[0]
     assert sum(RECOMPUTE in n.meta for n in gm.graph.nodes) == 3
+
+
+def _forward_keeps(gm: torch.fx.GraphModule, *args: Any) -> int:
+    """Bytes one forward of ``gm`` leaves allocated beyond its outputs (the profiler's memory events); then
+    its backward runs, freeing them."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        outputs = gm(*args)
+    net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
+    outputs[0].backward()
+    return kept
+
+
+def test_a_budget_has_matmuls_keep_a_recipe_for_their_input() -> None:
+    """Under a budget a matmul whose input is a norm's or the GELU's output keeps, instead of that input, a
+    recipe to make it again from what the norm or the GELU keeps anyway (torch's min-cut partitioner's trade):
+    the cheapest bytes a block has, and a span of pointwise ops could not free them (the matmul after it keeps
+    its input). What the allocator sees a forward keep is what the accounting says, and training is the same
+    as without recomputation, bit for bit."""
+    import transformers
+
+    from autoshard.graph_ops import recompute
+    from autoshard.planner.hardware import Hardware
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa", activation_function="gelu",
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
+    kwargs = {"labels": ids, "use_cache": False}
+    losses = {}
+    for choice in ("none", 0.75):
+        torch.manual_seed(0)
+        program = autoshard.compile(
+            transformers.GPT2LMHeadModel(config), 1, example_inputs=(ids,), example_kwargs=kwargs,
+            plan={"recompute": choice}, hardware=Hardware.preset("cpu"),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        )  # fmt: skip
+        gm = program.for_rank(0).graph_modules[0]
+        remade = [n for n in gm.graph.nodes if n.target is recompute.input_recomputed]
+        if choice != "none":
+            producers = {str(n.args[2]) for n in remade}
+            assert {"aten.layer_norm.default", "aten.gelu.default"} <= producers, producers
+            accounted = program.cost.saved_for_backward[0][1].evaluate(B=4, S=128)["kept"]
+            assert _forward_keeps(gm, ids, ids) == pytest.approx(accounted, rel=0.005)
+        losses[choice] = [program.step(ids, **kwargs) for _ in range(3)]
+    assert losses[0.75] == losses["none"]
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh", "plan"),
+    [
+        ("gpt2", {"dp": 2, "pp": 2}, {"recompute": 0.75}),  # the matmuls of a split backward (W deferred)
+        ("llama", {"dp": 4}, {"recompute": 0.75}),  # RMSNorm's scale and SwiGLU's product made again
+    ],
+)
+def test_matmul_input_recipes_match_single_device(ranks, family: str, mesh: dict[str, int], plan: dict) -> None:
+    check_matches_single_device(ranks, family, mesh, plan)

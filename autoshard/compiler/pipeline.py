@@ -167,6 +167,7 @@ STEPS: tuple[Step[Build], ...] = (
     Step(passes.weight_grad_split.PASS, lambda b: splits_backward(b.plan) or (b.plan.pp > 1 and b.eager),
          _weight_grad_split, per_graph=True),
     Step(passes.recompute.PASS, lambda b: True,
-         lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute, b.kernels, b.sizes), per_graph=True),
+         lambda b, gm: run_pass(passes.recompute.PASS, gm, b.plan.recompute, b.kernels, b.sizes,
+                                b.plan.autocast is None), per_graph=True),
     Step(passes.saved_tensors.PASS, lambda b: True, _saved_tensors, per_graph=True),
 )  # fmt: skip

@@ -276,6 +276,7 @@ class RecomputeRegion:
     inputs: tuple[str, ...]
     freed: sympy.Expr = sympy.Integer(0)  # bytes no longer kept for backward (passes.recompute.Deals), in B and S
     flops: sympy.Expr = sympy.Integer(0)  # forward FLOPs repeated in backward
+    remade: str = ""  # not a region: the node whose output matmuls no longer keep (recompute.input_recomputed)
 
 
 @dataclass(frozen=True)

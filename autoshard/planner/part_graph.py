@@ -154,7 +154,9 @@ def comms(gm: fx.GraphModule, hands_on: bool) -> tuple[Comm, ...]:
 def recomputed(gm: fx.GraphModule) -> frozenset[str]:
     names = set()
     for node in gm.graph.nodes:
-        if RECOMPUTE in node.meta:
+        if RECOMPUTE in node.meta and node.meta[RECOMPUTE].remade:  # a matmul's input made again: its producer
+            names.add(node.meta[RECOMPUTE].remade)
+        elif RECOMPUTE in node.meta:
             sub = getattr(gm, node.args[0].target)
             names |= {n.name for n in sub.graph.nodes if n.op == "call_function"}
     return frozenset(names)

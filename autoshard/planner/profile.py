@@ -125,7 +125,7 @@ class PartAtDegree:
                 self._saved[key] = self._recompute("none", autocast)
             else:
                 g = copy.deepcopy(self.graph)
-                passes.run_pass(passes.recompute.PASS, g, choice, self.kernels, self.sizes)
+                passes.run_pass(passes.recompute.PASS, g, choice, self.kernels, self.sizes, autocast is None)
                 shards = self.sequence_shards
                 memory = passes.run_pass(passes.saved_tensors.PASS, g, self.kernels, True, autocast, shards).value
                 in_flight = passes.run_pass(passes.gradients_in_flight.PASS, g).value

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from autoshard.distributed.tracing import span
 from autoshard.errors import InputError
 from autoshard.graph_ops.pipeline import PipelineChannel
+from autoshard.graph_ops.recompute import callable_name, input_recomputed
 from autoshard.graph_ops.weight_grad import (
     WEIGHT_GRADS,
     DeferredWeightGrad,
@@ -159,8 +160,12 @@ class PipelineRunner:
         # weight gradients itself, into .grad in place (WEIGHT_GRADS.apply: one fused multiply-add a weight,
         # no product of the weight's size allocated, written and added), before it sends: moving them after the
         # send would be another schedule (1F1B with a W after each B, which a custom schedule can ask for).
+        deferring = callable_name(matmul_deferring_weight_grad)  # (as an input_recomputed call names it)
         self.fused = not self.splits and any(
-            node.target is matmul_deferring_weight_grad for io in stages.values() for node in io.gm.graph.nodes
+            node.target is matmul_deferring_weight_grad
+            or (node.target is input_recomputed and node.args[0] == deferring)
+            for io in stages.values()
+            for node in io.gm.graph.nodes
         )
         self.arm_at_last_w = arm_at_last_w and (self.splits or self.fused)
         self.before_action = before_action or (lambda action: None)
