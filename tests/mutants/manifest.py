@@ -1232,4 +1232,34 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_closed_forms.py"],
         "k": "hosts_optimizer",
     },
+    {
+        "name": "165_matmuls_keep_the_inputs_they_could_remake",
+        "file": "autoshard/graph_ops/recompute.py",
+        "why": (
+            "input_recomputed's pack hook keeps every saved tensor: the matmul keeps the norm's or GELU's output "
+            "the budget counted as freed, and a forward keeps more than the accounting says"
+        ),
+        "tests": ["tests/test_recompute.py"],
+        "k": "keep_a_recipe",
+    },
+    {
+        "name": "166_a_recipe_frees_nothing_in_the_budget",
+        "file": "passes/recompute_budget.py",
+        "why": (
+            "the budget's byte count ignores what a recipe frees: no matmul input is ever made again, and the "
+            "budget pays for spans instead"
+        ),
+        "tests": ["tests/test_recompute.py"],
+        "k": "keep_a_recipe",
+    },
+    {
+        "name": "167_a_remade_input_counted_as_kept",
+        "file": "passes/saved_tensors.py",
+        "why": (
+            "the accounting counts a matmul's remade input as kept: it reports more than the allocator sees a "
+            "forward keep, and budgets are met with bytes that are already free"
+        ),
+        "tests": ["tests/test_recompute.py"],
+        "k": "keep_a_recipe",
+    },
 ]
