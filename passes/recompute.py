@@ -328,7 +328,9 @@ def run(
     gm.recompile()
     layers = sorted({r.layer for r in made})
     kind = choice if isinstance(choice, str) else f"budget {choice}" if isinstance(choice, float) else "blocks"
-    summary = f"{len(made)} recompute regions in {len(layers)} layers ({kind})"
+    remade = sum(1 for r in made if r.remade)
+    summary = f"{len(made) - remade} recompute regions in {len(layers)} layers ({kind})"
+    summary += f", {remade} matmul inputs made again" if remade else ""
     return PassResult("recompute", bool(made), summary, value=made)
 
 

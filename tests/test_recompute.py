@@ -367,6 +367,7 @@ def test_a_budget_has_matmuls_keep_a_recipe_for_their_input() -> None:
         if choice != "none":
             producers = {str(n.args[2]) for n in remade}
             assert {"aten.layer_norm.default", "aten.gelu.default"} <= producers, producers
+            assert f"and {len(remade)} matmul inputs made again free" in program.explain()
             accounted = program.cost.saved_for_backward[0][1].evaluate(B=4, S=128)["kept"]
             assert _forward_keeps(gm, ids, ids) == pytest.approx(accounted, rel=0.005)
         losses[choice] = [program.step(ids, **kwargs) for _ in range(3)]

@@ -142,8 +142,10 @@ def _recompute_lines(program: Program, at: dict[str, int]) -> list[str]:
     flops = sum(evaluate_expr(r.flops, at) for r in regions)
     forward = evaluate_expr(program.cost.flops_fwd, at)
     share = f" ({100 * flops / forward:.1f}% of a forward)" if forward else ""
+    remade = sum(1 for r in regions if r.remade)  # matmuls' inputs made again, not regions
+    counted = f"{len(regions) - remade} regions" + (f" and {remade} matmul inputs made again" if remade else "")
     if freed > 0:
-        return [f"  recompute {choice}: {len(regions)} regions free {fmt_count(freed)}B a call and repeat "
+        return [f"  recompute {choice}: {counted} free {fmt_count(freed)}B a call and repeat "
                 f"{fmt_count(flops)}FLOP{share} in backward"]  # fmt: skip
     why = (
         "no attention here keeps more bytes per FLOP than its block does (a fused attention kernel keeps only "
