@@ -378,6 +378,7 @@ def test_a_budget_has_matmuls_keep_a_recipe_for_their_input() -> None:
     ("family", "mesh", "plan"),
     [
         ("gpt2", {"dp": 2, "pp": 2}, {"recompute": 0.75}),  # the matmuls of a split backward (W deferred)
+        ("gpt2", {"pp": 2}, {"recompute": 0.5, "schedule": "zb_h1", "microbatches": 4}),  # W scheduled apart
         ("llama", {"dp": 4}, {"recompute": 0.75}),  # RMSNorm's scale and SwiGLU's product made again
     ],
 )
