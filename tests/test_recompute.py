@@ -350,7 +350,7 @@ def test_a_budget_has_matmuls_keep_a_recipe_for_their_input() -> None:
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(
         n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation="sdpa", activation_function="gelu",
+        attn_pdrop=0.0, attn_implementation="sdpa", activation_function="gelu_pytorch_tanh",
     )  # fmt: skip
     ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
     kwargs = {"labels": ids, "use_cache": False}
@@ -384,3 +384,37 @@ def test_a_budget_has_matmuls_keep_a_recipe_for_their_input() -> None:
 )
 def test_matmul_input_recipes_match_single_device(ranks, family: str, mesh: dict[str, int], plan: dict) -> None:
     check_matches_single_device(ranks, family, mesh, plan)
+
+
+def test_a_matmul_made_to_remake_its_input_keeps_less_and_computes_the_same() -> None:
+    """recompute.input_recomputed on its own: the matmul's gradients are the plain matmul's bit for bit (the GELU
+    made again with its own keyword, tanh), and a forward keeps exactly the GELU's output less."""
+    from autoshard.graph_ops import recompute
+
+    aten = torch.ops.aten
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(512, 256, generator=gen)).requires_grad_()
+    w = torch.randn(128, 256, generator=gen).requires_grad_()
+
+    def plain() -> torch.Tensor:
+        return aten.linear.default(aten.gelu.default(x, approximate="tanh"), w)
+
+    def remade() -> torch.Tensor:
+        y = aten.gelu.default(x, approximate="tanh")
+        return recompute.input_recomputed(
+            aten.linear.default, y, aten.gelu.default, (x,), {"approximate": "tanh"}, y, w
+        )
+
+    from torch.profiler import ProfilerActivity, profile
+
+    grads, kept = {}, {}
+    for name, forward in (("plain", plain), ("remade", remade)):
+        x.grad = w.grad = None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = forward()
+        kept[name] = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        out.square().sum().backward()
+        grads[name] = (x.grad.clone(), w.grad.clone())
+        del out  # (freed inside the next profile, it would count against the next forward)
+    assert torch.equal(grads["plain"][0], grads["remade"][0]) and torch.equal(grads["plain"][1], grads["remade"][1])
+    assert kept["plain"] - kept["remade"] == 512 * 256 * 4  # the GELU's output, no longer kept

@@ -1240,7 +1240,7 @@ MUTANTS: list[dict] = [
             "the budget counted as freed, and a forward keeps more than the accounting says"
         ),
         "tests": ["tests/test_recompute.py"],
-        "k": "keep_a_recipe",
+        "k": "keep_a_recipe or computes_the_same",
     },
     {
         "name": "166_a_recipe_frees_nothing_in_the_budget",
@@ -1261,5 +1261,15 @@ MUTANTS: list[dict] = [
         ),
         "tests": ["tests/test_recompute.py"],
         "k": "keep_a_recipe",
+    },
+    {
+        "name": "168_a_remade_input_drops_its_keyword_arguments",
+        "file": "autoshard/graph_ops/recompute.py",
+        "why": (
+            "backward makes a matmul's input again without the producer's keyword arguments: a tanh GELU is made "
+            "again as the exact one, and the weight's gradient reads a value forward never computed"
+        ),
+        "tests": ["tests/test_recompute.py"],
+        "k": "computes_the_same",
     },
 ]
