@@ -320,17 +320,21 @@ def test_every_choice_keeps_the_models_own_checkpoints(choice: Any) -> None:
     assert sum(RECOMPUTE in n.meta for n in gm.graph.nodes) == 3
 
 
-def _forward_keeps(gm: torch.fx.GraphModule, *args: Any) -> int:
-    """Bytes one forward of ``gm`` leaves allocated beyond its outputs (the profiler's memory events); then
-    its backward runs, freeing them."""
+def _allocated(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the bytes it left allocated (the profiler's memory events: what the CPU benchmarks count)."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        outputs = gm(*args)
-    net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        result = fn()
+    return result, sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+def _forward_keeps(gm: torch.fx.GraphModule, *args: Any) -> int:
+    """Bytes one forward of ``gm`` leaves allocated beyond its outputs; then its backward runs, freeing them."""
+    outputs, net = _allocated(lambda: gm(*args))
     kept = net - sum(o.untyped_storage().nbytes() for o in outputs if isinstance(o, torch.Tensor))
     outputs[0].backward()
     return kept
@@ -405,14 +409,10 @@ def test_a_matmul_made_to_remake_its_input_keeps_less_and_computes_the_same() ->
             aten.linear.default, y, aten.gelu.default, (x,), {"approximate": "tanh"}, y, w
         )
 
-    from torch.profiler import ProfilerActivity, profile
-
     grads, kept = {}, {}
     for name, forward in (("plain", plain), ("remade", remade)):
         x.grad = w.grad = None
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = forward()
-        kept[name] = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        out, kept[name] = _allocated(forward)
         out.square().sum().backward()
         grads[name] = (x.grad.clone(), w.grad.clone())
         del out  # (freed inside the next profile, it would count against the next forward)
