@@ -66,7 +66,7 @@ from autoshard.sharding.matmul import matmul_dims
 
 from . import recompute_budget, saved_tensors
 from .infra import Need, Pass, PassResult, calls_to
-from .recompute_budget import Deals, InputRecipe
+from .recompute_budget import Deals, InputRecipe, is_gathered
 
 __all__ = ["PASS", "Deals", "blocks", "run"]
 
@@ -91,7 +91,7 @@ def blocks(gm: fx.GraphModule) -> list[str]:
 def _view_root(node: Any) -> Any:
     """What ``node`` views: past aliasing ops and tp copies, to a parameter, a ZeRO-3 gather's output, or else."""
     for _ in range(32):
-        if not isinstance(node, fx.Node) or node.op != "call_function" or _is_gathered(node):
+        if not isinstance(node, fx.Node) or node.op != "call_function" or is_gathered(node):
             return node
         if packet(node.target) not in ALIASING | {tp_ops.copy}:
             return node
@@ -99,16 +99,12 @@ def _view_root(node: Any) -> Any:
     return node
 
 
-def _is_gathered(node: fx.Node) -> bool:
-    return node.target is operator.getitem and getattr(node.args[0], "target", None) is zero.gather
-
-
 def _reads_weight(node: Any) -> bool:
     """Whether a matmul operand is a trainable parameter (through views, or a ZeRO-3 gather)."""
     root = _view_root(node)
     if not isinstance(root, fx.Node):
         return False
-    return _is_gathered(root) or (root.op == "get_attr" and root.meta.get(SHAPE, NodeShape()).requires_grad)
+    return is_gathered(root) or (root.op == "get_attr" and root.meta.get(SHAPE, NodeShape()).requires_grad)
 
 
 def _kept(node: fx.Node) -> bool:

@@ -35,7 +35,7 @@ from autoshard.ir.ops import ALIASING, RANDOM, packet, storage_root
 
 from . import saved_tensors
 
-__all__ = ["Deals", "InputRecipe", "choose", "recipes"]
+__all__ = ["Deals", "InputRecipe", "choose", "is_gathered", "recipes"]
 
 # Bytes on the knapsack's grid: at least this many cells, more with more blocks (each block's rounding down
 # costs at most one cell), at most the cap (the table is blocks x cells).
@@ -148,7 +148,7 @@ def _freed(deals: Deals, regions: list[list[fx.Node]], size: dict, kept_input: C
         own = {region.producer} if isinstance(region, InputRecipe) else set(region)
         for node in own:
             for arg in node.all_input_nodes:
-                kept = kept_input(arg) if arg not in own or isinstance(region, InputRecipe) else None
+                kept = kept_input(arg) if arg not in own else None
                 if kept is not None:
                     inputs[kept[0]] = kept[1]
     total = zero
@@ -214,12 +214,19 @@ def recipes(run: list[fx.Node], kept: Callable[[fx.Node], bool], deals: Deals) -
     return made
 
 
+def is_gathered(node: Any) -> bool:
+    """Whether ``node`` is a ZeRO-3 gathered parameter (an output of zero.gather)."""
+    return (
+        isinstance(node, fx.Node)
+        and node.target is operator.getitem
+        and getattr(node.args[0], "target", None) is zero.gather
+    )
+
+
 def _remade_from(arg: fx.Node, deals: Deals) -> bool:
     """Whether the producer can read ``arg`` again in backward with nothing more kept."""
-    root = storage_root(arg)
-    if isinstance(root, fx.Node) and root.target is operator.getitem:
-        if getattr(root.args[0], "target", None) is zero.gather:
-            return False  # a ZeRO-3 gathered parameter: freed after its last use in forward
+    if is_gathered(storage_root(arg)):
+        return False  # a ZeRO-3 gathered parameter: freed after its last use in forward
     kept = saved_tensors.activation(arg)
     return kept is None or kept[0] in deals.savers
 
