@@ -66,6 +66,13 @@ def deferred_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return x if is_trainable_parameter(gm, weight) and isinstance(x, fx.Node) else None
 
 
+def deferred_weight(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The target of the parameter whose gradient W would take for ``node`` (as ``deferred_input``), else None."""
+    if deferred_input(gm, node) is None:
+        return None
+    return str(node.args[_MATMULS[node.target][2]].target)
+
+
 def run(gm: fx.GraphModule, keep_in_b: frozenset[int] | set[int] = frozenset()) -> PassResult:
     """``keep_in_b``: ids of parameters whose gradient stays in B (read by another stage of the same rank)."""
     graph = gm.graph

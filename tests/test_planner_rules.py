@@ -105,6 +105,27 @@ def test_a_tied_weight_on_one_rank_is_held_once(gpt2) -> None:
         assert tied > 0 and held == whole + copies * tied, (plan.schedule, held, whole, tied)
 
 
+def test_a_tied_weight_on_one_rank_keeps_its_gradient_in_b(gpt2) -> None:
+    """zbv's last stage runs on the first stage's rank, whose embedding owns the head's tied weight: the runtime
+    keeps that weight's gradient in B there (passes/weight_grad_split: it arrives whole in one place), so the
+    planner's W of that stage leaves the head out. Placed round-robin (interleaved, the same cuts) the last
+    stage runs on another rank and the head's weight gradient is W's."""
+    c = costing(gpt2)
+    v_shaped = Plan(pp=2, schedule="zbv", virtual_stages=2, microbatches=4)
+    round_robin = Plan(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4)
+    assert c._parts_per_stage(v_shaped, 2) == c._parts_per_stage(round_robin, 2)
+    head = [
+        seconds
+        for name in c._parts_per_stage(v_shaped, 2)[-1]
+        for _, seconds in c._part(name, v_shaped).times({**c.sizes, "B": 2}, HW, torch.float32).tied_weight_grad
+    ]
+    v_stages, rr_stages = c._costed_stages(v_shaped, 2, 1.0), c._costed_stages(round_robin, 2, 1.0)
+    assert len(head) == 1 and head[0] > 0
+    assert rr_stages[-1].weight_grad - v_stages[-1].weight_grad == pytest.approx(head[0])
+    assert [s.weight_grad for s in v_stages[:-1]] == [s.weight_grad for s in rr_stages[:-1]]
+    assert [s.backward for s in v_stages] == [s.backward for s in rr_stages]  # B takes what W leaves
+
+
 def test_a_pipelines_weight_gradients_accumulate_fused(gpt2) -> None:
     """A pipeline adds its matmuls' weight gradients with the product fused into the add (addmm_: the buffer read
     and written), where autograd's accumulation also writes and reads the product: a pipeline's backward is

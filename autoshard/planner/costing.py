@@ -27,7 +27,7 @@ from autoshard.planner.memory import itemsize, rank_memory
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
 from autoshard.planner.simulate import built, in_flight, simulate, simulate_shared
-from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_sums
+from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_of, rank_sums
 from autoshard.spec.plan import Plan
 from autoshard.spec.schedules import Schedule
 
@@ -210,8 +210,9 @@ class Costing:
     def _layout(self, plan: Plan, micro: int, slowdown: float) -> tuple[tuple, tuple[Stage, ...]]:
         """``_stages``, and the key of that stage layout (what the memos of its per-rank sums go by)."""
         # Everything _costed_stages reads of the plan.
-        key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.pp_cuts,
-               plan.dp, plan.ep, plan.cp, plan.cp_attention, self._dtype(plan), micro, slowdown)  # fmt: skip
+        key = (plan.tp, plan.sequence_parallel, plan.recompute, plan.pp, plan.virtual_stages, plan.v_placement,
+               plan.pp_cuts, plan.dp, plan.ep, plan.cp, plan.cp_attention, self._dtype(plan), micro,
+               slowdown)  # fmt: skip
         stages = self._stage_memo.get(key)
         if stages is None:
             stages = self._stage_memo[key] = tuple(self._costed_stages(plan, micro, slowdown))
@@ -229,7 +230,9 @@ class Costing:
         out = []
         cut_names = self._parts_per_stage(plan, micro)
         block_iter = iter(self.profile.block_names)
-        for names in cut_names:
+        ranks = [rank_of(i, plan.pp, plan.v_placement) for i in range(len(cut_names))]
+        rank_of_part = {name: ranks[i] for i, names in enumerate(cut_names) for name in names}
+        for stage, names in enumerate(cut_names):
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
             kept = transient = boundary = grads_in_flight = held_for_w = weight_grad = 0.0
@@ -247,7 +250,11 @@ class Costing:
                 backward = times.backward - (times.fused_saving if plan.pp > 1 else 0.0)
                 b += count * (slowdown * backward + times.tp_backward + again)
                 r += count * again
-                weight_grad += count * slowdown * times.weight_grad
+                # A tied weight whose owner runs on this rank too keeps its gradient in B (one place, whole).
+                owners = {target: owner for target, owner, *_ in part.tied}
+                here = ranks[stage]
+                in_b = sum(t for target, t in times.tied_weight_grad if rank_of_part.get(owners[target]) == here)
+                weight_grad += count * slowdown * (times.weight_grad - in_b)
                 tp += count * (times.tp_forward + times.tp_backward)
                 params += count * part.param_bytes
                 elements += count * part.param_elements

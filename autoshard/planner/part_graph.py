@@ -73,8 +73,8 @@ def works(gm: fx.GraphModule) -> tuple[Work, ...]:
         grad = any(t is not None and t.requires_grad for t in shape.tensors)
         flops_fwd = cost.flops_fwd if cost is not None else sympy.Integer(0)
         flops_bwd = cost.flops_bwd if cost is not None else sympy.Integer(0)
-        deferred = bool(dims) and passes.weight_grad_split.deferred_input(gm, node) is not None
-        out.append(Work(node.name, flops_fwd, flops_bwd, dims, nbytes, grad, kernel or bool(dims), deferred))
+        weight = passes.weight_grad_split.deferred_weight(gm, node) if dims else None
+        out.append(Work(node.name, flops_fwd, flops_bwd, dims, nbytes, grad, kernel or bool(dims), weight))
     return tuple(out)
 
 

@@ -36,7 +36,8 @@ class Work:
     nbytes: sympy.Expr  # read and written in forward
     grad: bool  # backward runs for it
     kernel: bool  # launches a kernel (views and bookkeeping do not)
-    deferred: bool = False  # a matmul of a trainable weight: its weight gradient is a split backward's W
+    # A matmul of a trainable weight (the weight's target): its weight gradient is a split backward's W
+    deferred: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class PartTimes:
     by_node: dict[str, float]  # forward seconds per node (what recomputing it repeats)
     weight_grad: float = 0.0  # of backward: the deferred matmuls' weight gradients, accumulated (a split's W)
     fused_saving: float = 0.0  # of backward: what a pipeline's fused accumulation of those saves (see part_times)
+    # of weight_grad: that of each tied weight another part owns (a tied head's), by target: it stays in B where
+    # the owner's stage runs on the same rank (passes/weight_grad_split: a gradient arrives whole in one place)
+    tied_weight_grad: tuple[tuple[str, float], ...] = ()
 
     def recompute(self, part: PartAtDegree, choice: str) -> float:
         """Forward work ``choice`` repeats in backward (full: the whole part, its collectives included)."""
@@ -89,6 +93,7 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
     """One microbatch of ``part`` at ``sizes`` (B: its rows) on one rank of ``hw``, its tensors ``dtype``."""
     every_kernel = hw.kernels == "cpu"  # eager dispatch on a CPU costs every op, views included
     forward = backward = weight_grad = deferred_bytes = 0.0
+    tied = {target: 0.0 for target, *_ in part.tied}
     grad_bytes = part.param_bytes / max(1, part.param_elements)  # a gradient's element: its parameter's
     by_name: dict[str, float] = {}
     for w in part.works:
@@ -102,8 +107,11 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             b = hw.matmul_seconds(flops_bwd, dims, 2 * nbytes, dtype) if flops_bwd else 0.0
             if w.deferred:  # the weight's gradient: a matmul of the forward's size, added into .grad (n x k) by
                 # a fused multiply-add (graph_ops/weight_grad.py: addmm_, which reads the gradient it adds to)
-                weight_grad += hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
-                weight_grad += hw.memory_seconds(dims[1] * dims[2] * grad_bytes, kernels=0)
+                w_seconds = hw.matmul_seconds(flops_fwd, dims, nbytes, dtype)
+                w_seconds += hw.memory_seconds(dims[1] * dims[2] * grad_bytes, kernels=0)
+                weight_grad += w_seconds
+                if w.deferred in tied:
+                    tied[w.deferred] += w_seconds
                 deferred_bytes += dims[1] * dims[2] * grad_bytes
         else:
             f = hw.memory_seconds(nbytes if w.kernel else 0.0)
@@ -124,4 +132,6 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
             tp_fwd += hw.collective_seconds(c.forward, full, part.degree) + hw.sync(part.degree)
         if c.backward:
             tp_bwd += hw.collective_seconds(c.backward, full, part.degree) + hw.sync(part.degree)
-    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, min(weight_grad, backward), fused_saving)
+    weight_grad = min(weight_grad, backward)
+    tied_grads = tuple((target, min(seconds, weight_grad)) for target, seconds in tied.items() if seconds)
+    return PartTimes(forward, backward, tp_fwd, tp_bwd, by_name, weight_grad, fused_saving, tied_grads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["RankSums", "Stage", "balanced_starts", "by_rank", "rank_sums"]
+__all__ = ["RankSums", "Stage", "balanced_starts", "by_rank", "rank_of", "rank_sums"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class Stage:
     # bytes, elements); no copy where the owner is another stage of the same rank (zbv's first and last)
     tied_copies: tuple[tuple[str, str, int, int], ...] = ()
     weight_grad: float = 0.0  # of backward: what a split backward's W computes, one microbatch
+
+
+def rank_of(stage: int, pp: int, v_placement: bool = False) -> int:
+    """The pipeline rank a stage runs on (``by_rank``'s placement)."""
+    return 2 * pp - 1 - stage if v_placement and stage >= pp else stage % pp
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
