@@ -643,6 +643,15 @@ def groups_after_compiles(rank: int, world_size: int, mesh: dict[str, int], comp
     return counts
 
 
+def shared_processors(rank: int, world_size: int) -> tuple[list[int], float]:
+    """This rank's processors (its affinity) and the processors Hardware.measure() counts the ranks sharing."""
+    import os
+
+    from autoshard.planner.calibrate import shared_processors as shared
+
+    return sorted(os.sched_getaffinity(0)), shared(None)
+
+
 def measured_hardware(rank: int, world_size: int, times: int) -> list[tuple[str, int]]:
     """Hardware.measure() ``times`` times on this rank: each result as JSON, and the process groups held after."""
     import torch.distributed as dist

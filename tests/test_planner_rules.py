@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import sympy
 import torch
-from cases import build_case, measured_hardware, small_gpt, tp_collectives
+from cases import build_case, measured_hardware, shared_processors, small_gpt, tp_collectives
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import passes
@@ -288,6 +288,27 @@ def test_ranks_that_share_processors_compute_faster_while_others_wait(schedule: 
     assert simulate_shared(sched, (stage,) * pp, float(pp), 2)[0] == pytest.approx(two)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_the_gap_before_each_action_is_idle_time_on_the_critical_path(schedule: str) -> None:
+    """A gap before every action (Hardware.action_gap: an eager CPU runtime's hand-over bookkeeping): busy time
+    is the actions' alone; the step grows by a gap per action on the critical path, 2m + 2(pp - 1) of them
+    in GPipe and 1F1B over equal stages (the first microbatch's forwards down the stages, the last rank's
+    2m actions, the last backward's chain back up), at least the first rank's every action in ZB-H1. Shared
+    processors give the same where each rank has one."""
+    pp, m, f, b, gap = 4, 8, 1.0, 2.0, 0.01
+    stage = _Stage(f, b, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, weight_grad=b / 2)
+    sched = build_schedule(schedule, pp, m)
+    plain, plain_busy, _ = simulate(sched, (stage,) * pp)
+    gapped, busy, _ = simulate(sched, (stage,) * pp, gap=gap)
+    assert busy == pytest.approx(plain_busy)
+    if schedule != "zb_h1":
+        assert gapped - plain == pytest.approx((2 * m + 2 * (pp - 1)) * gap)
+    assert plain + (len(sched.ranks[0])) * gap <= gapped + 1e-9  # every action of the first rank at least
+    shared, shared_busy, _ = simulate_shared(sched, (stage,) * pp, float(pp), 1, gap=gap)
+    assert shared == pytest.approx(gapped) and shared_busy == pytest.approx(busy)
+    assert Hardware.preset("cpu").action_gap > 0 == Hardware.preset("a100-80gb").action_gap  # a GPU's host hides it
+
+
 def _half(s: _Stage) -> _Stage:
     return _Stage(s.forward / 2, s.backward / 2, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
 
@@ -311,6 +332,35 @@ def test_default_microbatches_are_the_most_that_divide_the_rows(rows: int, pp: i
     assert default_microbatches(rows, pp, schedule) == expected
 
 
+def test_shared_processors_are_those_a_hosts_ranks_run_on_together(monkeypatch) -> None:
+    """shared_cores counts the processors a host's ranks may run on together: two ranks pinned to a core each
+    share none, though each sees one processor of its own; four on two processors share them."""
+    import socket
+
+    from autoshard.planner.calibrate import _shared_processors
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "a")
+    assert _shared_processors([("a", [0]), ("a", [1])]) == 0.0
+    assert _shared_processors([("a", [0, 1])] * 4) == 2.0
+    assert _shared_processors([("a", [0]), ("a", [0])]) == 1.0
+    assert _shared_processors([("a", [0, 1]), ("a", [0, 1]), ("b", [0, 1]), ("b", [0, 1])]) == 0.0  # two hosts
+    assert _shared_processors([("a", [0, 1])] * 3 + [("b", [0])]) == 2.0
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="two ranks, a core each (Linux)"
+)
+def test_ranks_pinned_to_cores_of_their_own_do_not_share_them(ranks) -> None:
+    """LocalRanks pins two ranks to a core each where there are two: each sees one processor, and the
+    calibration still counts them as not sharing (it had predicted such ranks at half their speed); four
+    ranks on two processors share both."""
+    results = ranks(2).run(shared_processors)
+    assert [len(cpus) for cpus, _ in results] == [1, 1] and results[0][0] != results[1][0]
+    assert [shared for _, shared in results] == [0.0, 0.0]
+    cpus = len(os.sched_getaffinity(0))  # four ranks: pinned where there are cores enough, else sharing them all
+    assert [shared for _, shared in ranks(4).run(shared_processors)] == [float(cpus) if cpus < 4 else 0.0] * 4
+
+
 @pytest.mark.slow  # long (15-35 s): under -m slow
 def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None:
     results = ranks(4).run(measured_hardware, 2)
@@ -329,6 +379,7 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
     }
     assert all(0 < c.bandwidth <= hw.memory_bandwidth and c.latency >= 0 for c in hw.collectives)
     assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1
+    assert hw.action_gap > 0  # CPU ranks: the pipeline runtime's bookkeeping between two actions
     # The probe groups are the process's shared ones: a second calibration makes none.
     assert all(rank[1][1] == rank[0][1] for rank in results)
 

@@ -5,18 +5,18 @@ gets the same Hardware and plans alike. Each timing is the fastest of a few. Wha
 device:
 
 - as training runs them (CPU ranks that share processors: each one's CPU time with every rank at once;
-  else one rank at a time): matmuls of n x n by n x n for a few n (the fastest reached is the peak,
-  ``matmul_efficiency`` 1.0, and ``matmul_half_dim`` is fitted so that ``(n / (n + half))**3`` follows
-  the smaller ones, less the pass that packs their operands on a CPU), a copy of a large tensor
-  (memory bandwidth) and a chain of tiny ops with autograd recording (the cost of one op: launch, or on
-  a CPU the eager dispatch);
+  CPU ranks with cores of their own: the wall clock, every rank at once; GPUs one rank at a time):
+  matmuls of n x n by n x n for a few n (the fastest reached is the peak, ``matmul_efficiency`` 1.0, and
+  ``matmul_half_dim`` is fitted so that ``(n / (n + half))**3`` follows the smaller ones, less the pass
+  that packs their operands on a CPU), a copy of a large tensor (memory bandwidth) and a chain of tiny ops
+  with autograd recording (the cost of one op: launch, or on a CPU the eager dispatch);
 - two small GPTs' training steps (one mostly per-op overhead, one mostly matmuls), predicted from those
   figures by the planner's own profile and measured the same way: they fit one factor for the kernels'
   work and one for the per-op overhead (what single ops miss: autograd's engine, and on shared
-  processors what sharing them costs besides the share); where a node has more ranks than processors,
-  ``shared_cores`` is the processors;
+  processors what sharing them costs besides the share); where a host has more ranks than processors (those
+  its ranks may run on, together), ``shared_cores`` is the processors;
 - on CPU ranks that share cores, how long a synchronous collective after compute waits for the last rank
-  (``sync_wait``);
+  (``sync_wait``); on CPU ranks, what the pipeline runtime spends between two actions (``action_gap``);
 - all-reduce, all-gather, reduce-scatter (issued as the runtime issues them, distributed/comm.py) and a
   send/receive pair at two sizes over the whole group and over pairs of neighbouring ranks: a latency
   per ring step and a bus bandwidth per operation and group size (``Hardware.collectives``), the
@@ -26,6 +26,7 @@ device:
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import time
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ from autoshard.planner.workloads import GPU_WORKLOADS, WORKLOADS, scales, worklo
 if TYPE_CHECKING:
     from autoshard.planner.hardware import Hardware
 
-__all__ = ["measure"]
+__all__ = ["measure", "shared_processors"]
 
 _SIZES = (64, 128, 256, 512, 1024)
 _GPU_SIZES = (512, 1024, 2048, 4096, 8192)  # a GPU's GEMMs reach their rate only past a few thousand
@@ -150,6 +151,32 @@ def _sync_wait(device: torch.device, group: dist.ProcessGroup, calls: int = 60) 
     return max(0.0, statistics.median(after[5:]) - statistics.median(alone[5:]))
 
 
+def _action_gap(device: torch.device, group: dist.ProcessGroup | None, me: int, calls: int = 30) -> float:
+    """What the pipeline runtime spends between two actions once the next one's input has arrived
+    (runtime/pipeline.py: the wait on the arrived receive, then the following receive made and posted): rank 1
+    of ``group`` times that on rank 0's messages (64 KiB, an activation's order), the median of ``calls``;
+    every rank gets it (a broadcast), the others only wait."""
+    first, second = (0, 1) if group is None else (dist.get_global_rank(group, 0), dist.get_global_rank(group, 1))
+    numel, times, work = 2**14, [], torch.ones(64, 64, device=device)
+    for call in range(calls if me in (0, 1) else 0):
+        if me == 0:
+            dist.send(torch.ones(numel, device=device), dst=second, group=group, tag=2 * call)
+            dist.send(torch.ones(numel, device=device), dst=second, group=group, tag=2 * call + 1)
+            continue
+        arrived = dist.irecv(torch.empty(numel, device=device), src=first, group=group, tag=2 * call)
+        busy = time.perf_counter() + 0.002  # the action before, computing: the message arrives meanwhile
+        while time.perf_counter() < busy:
+            torch.mm(work, work)
+        start = time.perf_counter()
+        arrived.wait()
+        following = dist.irecv(torch.empty(numel, device=device), src=first, group=group, tag=2 * call + 1)
+        times.append(time.perf_counter() - start)
+        following.wait()
+    gap = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(gap, src=second, group=group)
+    return float(gap.item())
+
+
 def _fit(op: str, n: int, small: float, large: float, ceiling: float) -> tuple[float, float]:
     """(bus bandwidth, latency per step) through the two timings, in the ring model Hardware uses. The
     bandwidth is at most ``ceiling`` (the device's memory bandwidth: every byte sent is at least copied), so
@@ -191,6 +218,31 @@ def _collective(
     return seconds(exchange, device, least=_LEAST, group=group)
 
 
+def _own_processors() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def shared_processors(group: dist.ProcessGroup | None) -> float:
+    """The processors the CPU ranks of this rank's host share (``_shared_processors``), from every rank of
+    ``group`` (default: the world)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return 0.0
+    entries: list[tuple[str, list[int]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(entries, (socket.gethostname(), _own_processors()), group=group)
+    return _shared_processors([e for e in entries if e is not None])
+
+
+def _shared_processors(affinities: list[tuple[str, list[int]]]) -> float:
+    """The processors this host's ranks share where they outnumber them, else 0.0 (each computes on its own).
+    ``affinities``: every rank's (host, processors). The processors are those of the host's ranks together,
+    not this rank's alone: ranks pinned to a core each (autoshard.launch does so where there are cores
+    enough) share none, though each may run on one processor only."""
+    host = socket.gethostname()
+    here = [set(cpus) for name, cpus in affinities if name == host]
+    processors = len(set().union(*here))
+    return float(processors) if len(here) > processors else 0.0
+
+
 def _groups(world: int) -> list[list[list[int]]]:
     """The group layouts measured: the whole world, and pairs of neighbours (when the world is larger)."""
     layouts = [[list(range(world))]]
@@ -212,10 +264,9 @@ def measure(
     dtype_name = "bfloat16" if cuda else "float32"
     timing.TOGETHER[0] = (group if group is not None else dist.group.WORLD) if distributed and world > 1 else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # Ranks of a node with more of them than processors share them: as many compute at once as there are
+    # Ranks of a host with more of them than processors share them: as many compute at once as there are
     # processors (what sharing costs besides, caches and switches, is in the CPU times measured under load).
-    shared = float(cpus) if not cuda and per_node > cpus else 0.0
+    shared = 0.0 if cuda else shared_processors(group)
     try:
         bandwidth, overhead = _memory_bandwidth(device, shared > 0), _op_overhead(device, shared > 0)
         peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, bandwidth if base.packs_operands else 0.0)
@@ -230,6 +281,9 @@ def measure(
         timing.TOGETHER[0] = None
     fits: list[tuple[str, str, int, float, float]] = []
     waits: list[tuple[int, float]] = []  # (group size, sync wait) on CPU ranks
+    action_gap = 0.0  # a GPU's host runs ahead of its kernels: the runtime's bookkeeping hides
+    if distributed and world > 1 and not cuda:
+        action_gap = _action_gap(device, group, me)
     if distributed and world > 1:
         for layout in _groups(world):
             made = [shared_group(ranks, default_pg_timeout) for ranks in layout]  # every rank makes every group
@@ -291,5 +345,6 @@ def measure(
         shared_cores=shared,
         sync_wait=sync,
         group_sync_waits=tuple(waits),
+        action_gap=action_gap,
         source=f"Hardware.measure() on {world} rank(s), {time.strftime('%Y-%m-%d')}",
     )

@@ -109,8 +109,10 @@ class Costing:
 
         def run(stages: list[Stage], timeline: bool = False) -> tuple[float, list[float], tuple]:
             if shared:
-                return simulate_shared(schedule, tuple(stages), hw.shared_cores, node // plan.pp, timeline)
-            return simulate(schedule, tuple(stages), timeline)
+                return simulate_shared(
+                    schedule, tuple(stages), hw.shared_cores, node // plan.pp, timeline, hw.action_gap
+                )
+            return simulate(schedule, tuple(stages), timeline, hw.action_gap)
 
         if schedule is None:
             stage = stages[0]

@@ -70,6 +70,11 @@ class Hardware:
     sync_wait: float = 0.0
     # (group size, seconds) where groups of several sizes were timed: fewer ranks arrive less far apart.
     group_sync_waits: tuple[tuple[int, float], ...] = ()
+    # Seconds a pipeline rank spends before each action outside any, once what it needs has arrived: the next
+    # receive made and posted, the arrived one's wait. An eager CPU runtime pays it in line (between the
+    # actions of two pipeline ranks with a core each here: medians of 19-46 us); a GPU's host runs ahead of
+    # its kernels and hides it (0).
+    action_gap: float = 0.0
     collectives: tuple[CollectiveFit, ...] = field(default=())
     source: str = ""  # where the figures come from
 
@@ -278,7 +283,7 @@ PRESETS = {
     "cpu": Hardware(
         name="CPU core", devices_per_node=8, memory_bytes=16 * 2**30,
         peak_flops={"float32": 160e9, "bfloat16": 320e9},
-        matmul_efficiency=0.6, matmul_half_dim=32.0, memory_bandwidth=10 * GB, op_overhead=10e-6,
+        matmul_efficiency=0.6, matmul_half_dim=32.0, memory_bandwidth=10 * GB, op_overhead=10e-6, action_gap=30e-6,
         intra_bandwidth=2 * GB, intra_latency=30e-6, inter_bandwidth=1 * GB, inter_latency=100e-6,
         host_bandwidth=10 * GB, host_memory_bandwidth=10 * GB, overlap=0.5, blocking=("all_gather", "reduce_scatter"),
         kernels="cpu", source="one AVX-512 core at 2.5 GHz (2 x 16-lane FMA); gloo over loopback",

@@ -119,10 +119,11 @@ def _order(rows: list[tuple[tuple[int, int, int, int, int], ...]], count: int) -
 
 @functools.lru_cache(maxsize=8192)  # plans that differ only in ZeRO stage or offload share their stages
 def simulate(
-    schedule: Schedule, stages: tuple[StageCost, ...], timeline: bool = False
+    schedule: Schedule, stages: tuple[StageCost, ...], timeline: bool = False, gap: float = 0.0
 ) -> tuple[float, list[float], tuple]:
     """Run the schedule's action table with each stage's costs: (makespan, busy seconds per rank, and with
-    ``timeline`` per rank its (action, start, end))."""
+    ``timeline`` per rank its (action, start, end)). ``gap``: what a rank spends before each action outside
+    any (Hardware.action_gap: the hand-over's bookkeeping once what the action needs is there), idle time."""
     steps = table(schedule)
     cost = costs(stages)
     send = [s.send for s in stages] + [0.0]
@@ -135,6 +136,7 @@ def simulate(
         start, ready = free[rank], finish[need] + send[link]
         if ready > start:
             start = ready
+        start += gap
         duration = cost[slot]
         free[rank] = finish[index] = start + duration
         busy[rank] += duration
@@ -145,7 +147,12 @@ def simulate(
 
 @functools.lru_cache(maxsize=1024)
 def simulate_shared(
-    schedule: Schedule, stages: tuple[StageCost, ...], cores: float, copies: int, timeline: bool = False
+    schedule: Schedule,
+    stages: tuple[StageCost, ...],
+    cores: float,
+    copies: int,
+    timeline: bool = False,
+    gap: float = 0.0,
 ) -> tuple[float, list[float], tuple]:
     """``simulate`` on ranks that share ``cores`` cores (CPU ranks on one machine): the stage costs are one
     rank's alone, and every action computing at a moment proceeds at min(1, cores / computing), where
@@ -157,7 +164,7 @@ def simulate_shared(
     names = labels(schedule) if timeline else ()
     finish = [-1.0] * sum(len(r) for r in steps.ranks)
     pp = len(steps.ranks)
-    busy, cursor = [0.0] * pp, [0] * pp
+    busy, cursor, free = [0.0] * pp, [0] * pp, [0.0] * pp  # free: when the rank's last action ended
     rows: list[list[tuple[str, float, float]]] = [[] for _ in range(pp)]
     running: dict[int, list[float]] = {}  # rank -> [action index, work left, start]
     now = 0.0
@@ -167,13 +174,15 @@ def simulate_shared(
             if rank in running or cursor[rank] >= len(steps.ranks[rank]):
                 continue
             index, stage, slot, need, link = steps.ranks[rank][cursor[rank]]
+            ready = free[rank]
             if need >= 0:
                 if finish[need] < 0:
                     continue
-                ready = finish[need] + (send[link] if link >= 0 else 0.0)
-                if ready > now * (1 + 1e-12):
-                    waits.append(ready)
-                    continue
+                ready = max(ready, finish[need] + (send[link] if link >= 0 else 0.0))
+            ready += gap
+            if ready > now * (1 + 1e-12):
+                waits.append(ready)
+                continue
             running[rank] = [index, cost[slot], now]
         if not running:
             if not waits:
@@ -190,7 +199,7 @@ def simulate_shared(
             busy[rank] += step
             running[rank][1] = work - step * rate
             if running[rank][1] <= 1e-12 * max(1.0, work):
-                finish[int(index)] = now
+                finish[int(index)] = free[rank] = now
                 if timeline:
                     rows[rank].append((names[int(index)], start, now))
                 cursor[rank] += 1
