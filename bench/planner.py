@@ -6,6 +6,7 @@ Llama-3-405B-shaped model for 16,384.
     python bench/planner.py --only plan_405b
     python bench/planner.py --only measured
     python bench/planner.py --only experts   # the same for a Mixtral-shaped MoE under expert parallelism
+    python bench/planner.py --only own_cores # the GPT's pipelines on 2 ranks with a core each
 
 Every plan trains the same GPT (autoshard.demo.TinyGPT) on the same global batch (``--only experts``: a
 Hugging Face Mixtral of 8 experts, top-2, under dp=4 with its experts split ep=1, 2 or 4); each is compiled with
@@ -111,11 +112,24 @@ class Workload:
     batch: Callable[[], tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]]
     loss_fn: Callable[..., torch.Tensor] | None
     plans: list[tuple[str, dict[str, int], dict[str, Any]]]
+    ranks: int = 4
 
+
+# The same GPT on 2 ranks, a core each (autoshard.launch pins them): no rank shares a processor, as none shares
+# a GPU, so the pipelines' bubbles are the schedules' and the runtime's, not the scheduler's slices (4 ranks on
+# this machine's 2 cores share them; their bubbles are measured above).
+OWN_CORE_PLANS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
+    ("dp2", {"dp": 2}, {}),
+    ("tp2", {"tp": 2}, {}),
+    ("pp2 1f1b", {"pp": 2}, {"schedule": "1f1b", "microbatches": 8}),
+    ("pp2 zb_h1", {"pp": 2}, {"schedule": "zb_h1", "microbatches": 8}),
+    ("pp2 zbv", {"pp": 2}, {"schedule": "zbv", "virtual_stages": 2, "microbatches": 8}),
+]
 
 WORKLOADS = {
     "gpt": Workload(_model, _gpt_batch, next_token_loss, PLANS),
     "experts": Workload(_moe_model, _moe_batch, None, EP_PLANS),
+    "own_cores": Workload(_model, _gpt_batch, next_token_loss, OWN_CORE_PLANS, ranks=2),
 }
 
 
@@ -216,8 +230,8 @@ def _predictions(rows: list[dict[str, Any]], hardware: autoshard.Hardware, workl
 
 
 def _compare(workload: str, steps: int) -> dict[str, Any]:
-    """Measure ``workload``'s plans on 4 gloo ranks, predict them with each calibration, print the tables."""
-    with LocalRanks(4) as pool:
+    """Measure ``workload``'s plans on its gloo ranks, predict them with each calibration, print the tables."""
+    with LocalRanks(WORKLOADS[workload].ranks) as pool:
         per_rank = pool.run(_measure_rank, steps, workload)
     rows = []
     for i, row in enumerate(per_rank[0]):
@@ -305,6 +319,23 @@ def bench_experts(report: Any = None, steps: int = 20) -> dict[str, Any]:
         worst = result["worst_time"]
         report(f"planner: worst step-time error of the ep plans, {len(result['rows'])} plans of a Mixtral-shaped "
                f"MoE on 4 gloo ranks", f"{worst:.0%}", "measured", worst, "<= 0.25")  # fmt: skip
+    return result
+
+
+def bench_own_cores(report: Any = None, steps: int = 20) -> dict[str, Any]:
+    """The GPT's plans on 2 ranks with a core each (dp, tp, 1F1B, ZB-H1, ZBV) predicted against measured: the
+    zero-bubble schedules' bubbles where no rank waits on the scheduler for a processor."""
+    result = _compare("own_cores", steps)
+    if report is not None:
+        rows, worst = result["rows"], result["worst_time"]
+        report(f"planner: worst step-time error, {len(rows)} plans on 2 gloo ranks with a core each", f"{worst:.0%}",
+               "measured", worst, "<= 0.25")  # fmt: skip
+        for r in rows:
+            if "zb" in r["name"]:
+                error = r["bubble"] / max(r["measured_bubble"], 1e-9) - 1
+                report(f"planner: {r['name']} bubble (the busiest rank's idle time in the step), 2 ranks with a "
+                       f"core each", f"{r['bubble'] * 1e3:.1f} ms predicted", f"{r['measured_bubble'] * 1e3:.1f} ms "
+                       f"measured (step {r['measured'] * 1e3:.0f} ms)", error, "-0.2 .. 0.2")  # fmt: skip
     return result
 
 
@@ -422,7 +453,7 @@ def bench_published(report: Any = None) -> list[dict[str, Any]]:
 
 
 BENCHMARKS = {
-    "measured": bench_measured, "experts": bench_experts, "published": bench_published,
+    "measured": bench_measured, "experts": bench_experts, "own_cores": bench_own_cores, "published": bench_published,
     "plan_70b": bench_plan_70b, "plan_405b": bench_plan_405b,
 }  # fmt: skip
 
