@@ -652,6 +652,31 @@ def shared_processors(rank: int, world_size: int) -> tuple[list[int], float]:
     return sorted(os.sched_getaffinity(0)), shared(None)
 
 
+def timed_spans(rank: int, world_size: int, shared: bool) -> list[tuple[float, float]]:
+    """(start, end) on the host's clock of every call ``planner.timing.compute_seconds`` makes, timing a sleep on
+    CPU ranks as the calibration times them (``shared``: the ranks share processors)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.planner import timing
+
+    spans = []
+
+    def work() -> None:
+        start = time.perf_counter()
+        time.sleep(0.002)
+        spans.append((start, time.perf_counter()))
+
+    timing.TOGETHER[0] = dist.group.WORLD
+    try:
+        timing.compute_seconds(work, torch.device("cpu"), 0.01, shared)
+    finally:
+        timing.TOGETHER[0] = None
+    return spans
+
+
 def measured_hardware(rank: int, world_size: int, times: int) -> list[tuple[str, int]]:
     """Hardware.measure() ``times`` times on this rank: each result as JSON, and the process groups held after."""
     import torch.distributed as dist

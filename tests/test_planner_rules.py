@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import sympy
 import torch
-from cases import build_case, measured_hardware, shared_processors, small_gpt, tp_collectives
+from cases import build_case, measured_hardware, shared_processors, small_gpt, timed_spans, tp_collectives
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import passes
@@ -359,6 +359,16 @@ def test_ranks_pinned_to_cores_of_their_own_do_not_share_them(ranks) -> None:
     assert [shared for _, shared in results] == [0.0, 0.0]
     cpus = len(os.sched_getaffinity(0))  # four ranks: pinned where there are cores enough, else sharing them all
     assert [shared for _, shared in ranks(4).run(shared_processors)] == [float(cpus) if cpus < 4 else 0.0] * 4
+
+
+def test_cpu_ranks_are_calibrated_computing_at_once_as_they_train(ranks) -> None:
+    """CPU ranks compute at once while training, on processors of their own or not (they share the memory and
+    its caches either way), so the calibration times their compute every rank at once: the two ranks' timed
+    calls overlap in time. (A GPU each: one rank at a time.)"""
+    for shared in (False, True):
+        first, second = ranks(2).run(timed_spans, shared)
+        overlap = sum(max(0.0, min(a[1], b[1]) - max(a[0], b[0])) for a, b in zip(first, second))
+        assert overlap > 0.5 * sum(end - start for start, end in first), (shared, overlap)
 
 
 @pytest.mark.slow  # long (15-35 s): under -m slow

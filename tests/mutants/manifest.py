@@ -1272,4 +1272,55 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_recompute.py"],
         "k": "computes_the_same",
     },
+    {
+        "name": "169_a_tied_heads_weight_gradient_in_w_on_its_owners_rank",
+        "file": "autoshard/planner/costing.py",
+        "why": (
+            "the planner costs a tied head's weight gradient in W though its owner (the embedding) runs on the same "
+            "rank, where the runtime keeps it in B: zbv's last stage is predicted with too long a W and too short a B"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "keeps_its_gradient_in_b",
+    },
+    {
+        "name": "170_shared_processors_from_one_ranks_affinity",
+        "file": "autoshard/planner/calibrate.py",
+        "why": (
+            "the calibration counts the processors from one rank's affinity: two ranks pinned to a core each are "
+            "planned as sharing one, at half their speed"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "shared_processors or pinned",
+    },
+    {
+        "name": "171_no_gap_before_an_action",
+        "file": "autoshard/planner/simulate.py",
+        "why": "the schedule simulation leaves out the runtime's gap before each action: bubbles predicted short",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "gap_before",
+    },
+    {
+        "name": "172_no_gap_before_an_action_on_shared_cores",
+        "file": "autoshard/planner/simulate.py",
+        "why": "the same on ranks that share processors",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "gap_before",
+    },
+    {
+        "name": "173_cpu_ranks_of_their_own_calibrated_one_at_a_time",
+        "file": "autoshard/planner/timing.py",
+        "why": (
+            "CPU ranks with cores of their own are calibrated one at a time, with the memory and its caches to "
+            "themselves, where they train all at once"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "computing_at_once",
+    },
+    {
+        "name": "174_no_tied_weights_share_of_w",
+        "file": "autoshard/planner/part_times.py",
+        "why": "part times carry no tied weight's share of W, so none moves back to B on its owner's rank",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "keeps_its_gradient_in_b",
+    },
 ]
