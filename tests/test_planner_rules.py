@@ -108,8 +108,8 @@ def test_a_tied_weight_on_one_rank_is_held_once(gpt2) -> None:
 def test_a_tied_weight_on_one_rank_keeps_its_gradient_in_b(gpt2) -> None:
     """zbv's last stage runs on the first stage's rank, whose embedding owns the head's tied weight: the runtime
     keeps that weight's gradient in B there (passes/weight_grad_split: it arrives whole in one place), so the
-    planner's W of that stage leaves the head out. Placed round-robin (interleaved, the same cuts) the last
-    stage runs on another rank and the head's weight gradient is W's."""
+    planner's W of that stage leaves the head out, and so do the bytes held for W. Placed round-robin
+    (interleaved, the same cuts) the last stage runs on another rank and the head's weight gradient is W's."""
     c = costing(gpt2)
     v_shaped = Plan(pp=2, schedule="zbv", virtual_stages=2, microbatches=4)
     round_robin = Plan(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4)
@@ -124,6 +124,13 @@ def test_a_tied_weight_on_one_rank_keeps_its_gradient_in_b(gpt2) -> None:
     assert rr_stages[-1].weight_grad - v_stages[-1].weight_grad == pytest.approx(head[0])
     assert [s.weight_grad for s in v_stages[:-1]] == [s.weight_grad for s in rr_stages[:-1]]
     assert [s.backward for s in v_stages] == [s.backward for s in rr_stages]  # B takes what W leaves
+    # Nor does its matmul hold its factors (the head's input and the logits' gradient) from B to a W.
+    from autoshard.planner.part_times import value
+
+    sizes = {**c.sizes, "B": 2}
+    held = [h for n in c._parts_per_stage(v_shaped, 2)[-1] for _, h in c._part(n, v_shaped).tied_held_for_w]
+    assert len(held) == 1 and value(held[0], sizes) > 0
+    assert rr_stages[-1].held_for_w - v_stages[-1].held_for_w == pytest.approx(value(held[0], sizes))
 
 
 def test_a_pipelines_weight_gradients_accumulate_fused(gpt2) -> None:

@@ -24,6 +24,7 @@ import sympy
 
 from autoshard.planner.exchanges import context_exchanges, expert_exchanges, ring_kept_block
 from autoshard.planner.memory import itemsize, rank_memory
+from autoshard.planner.part_times import value
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
 from autoshard.planner.simulate import built, in_flight, simulate, simulate_shared
@@ -254,9 +255,9 @@ class Costing:
                 r += count * again
                 # A tied weight whose owner runs on this rank too keeps its gradient in B (one place, whole).
                 owners = {target: owner for target, owner, *_ in part.tied}
-                here = ranks[stage]
-                in_b = sum(t for target, t in times.tied_weight_grad if rank_of_part.get(owners[target]) == here)
-                weight_grad += count * slowdown * (times.weight_grad - in_b)
+                in_b = {target for target in owners if rank_of_part.get(owners[target]) == ranks[stage]}
+                kept_in_b = sum(t for target, t in times.tied_weight_grad if target in in_b)
+                weight_grad += count * slowdown * (times.weight_grad - kept_in_b)
                 tp += count * (times.tp_forward + times.tp_backward)
                 params += count * part.param_bytes
                 elements += count * part.param_elements
@@ -276,6 +277,7 @@ class Costing:
                     forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                     k += ring_kept_block(part, plan, sizes, choice)
+                w -= sum(value(held, sizes) for target, held in part.tied_held_for_w if target in in_b)
                 kept, held_for_w = kept + count * k, held_for_w + count * w
                 transient, grads_in_flight = max(transient, tr), max(grads_in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.

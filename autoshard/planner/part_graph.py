@@ -162,13 +162,15 @@ def recomputed(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(names)
 
 
-def held_for_w(g: fx.GraphModule) -> sympy.Expr:
+def held_for_w(g: fx.GraphModule, in_b: frozenset[str] = frozenset()) -> sympy.Expr:
     """Bytes a microbatch holds from its B to its W where backward is split: each deferred matmul's input (each
-    value once) and its output's gradient (as large as the output)."""
+    value once) and its output's gradient (as large as the output). ``in_b``: weights whose gradient stays in
+    B (a tied weight whose owner runs on the same rank), whose matmuls hold nothing for W."""
     inputs: dict[fx.Node, sympy.Expr] = {}
     grads: list[sympy.Expr] = []
     for node in g.graph.nodes:
-        x = passes.weight_grad_split.deferred_input(g, node) if node.op == "call_function" else None
+        deferred = node.op == "call_function" and passes.weight_grad_split.deferred_weight(g, node) not in (None, *in_b)
+        x = passes.weight_grad_split.deferred_input(g, node) if deferred else None
         if x is not None:
             inputs.setdefault(x, get_shape(x).nbytes)
             grads.append(get_shape(node).nbytes)

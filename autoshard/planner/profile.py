@@ -77,6 +77,8 @@ class PartAtDegree:
     attention_kv_bytes: sympy.Expr = sympy.Integer(0)
     attention_q_bytes: sympy.Expr = sympy.Integer(0)
     held_for_w: sympy.Expr = sympy.Integer(0)  # a microbatch's bytes from its B to its W (split backward)
+    # of held_for_w: each tied weight's matmuls' (by target), held for no W where its owner runs on the same rank
+    tied_held_for_w: tuple[tuple[str, sympy.Expr], ...] = ()
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     sequence_shards: int = 1  # sequence parallel: the hidden state it reads arrives in degree sequence shards
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str], sympy.Expr]] = field(default_factory=dict)
@@ -174,6 +176,9 @@ def _profile_part(
     part.attention_kv_bytes = _attention_bytes(g, slice(1, 3))
     part.attention_q_bytes = _attention_bytes(g, slice(0, 1))
     part.held_for_w = part_graph.held_for_w(g)
+    part.tied_held_for_w = tuple(
+        (target, sympy.expand(part.held_for_w - part_graph.held_for_w(g, frozenset({target})))) for target, *_ in tied
+    )
     return part
 
 

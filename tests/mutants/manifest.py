@@ -1323,4 +1323,14 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "keeps_its_gradient_in_b",
     },
+    {
+        "name": "175_a_tied_heads_factors_held_for_w_on_its_owners_rank",
+        "file": "autoshard/planner/costing.py",
+        "why": (
+            "the planner counts a tied head's factors (its input, the logits' gradient) as held from B to W where "
+            "its gradient stays in B: zbv's memory predicted high"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "keeps_its_gradient_in_b",
+    },
 ]
