@@ -128,9 +128,35 @@ def test_a_tied_weight_on_one_rank_keeps_its_gradient_in_b(gpt2) -> None:
     from autoshard.planner.part_times import value
 
     sizes = {**c.sizes, "B": 2}
-    held = [h for n in c._parts_per_stage(v_shaped, 2)[-1] for _, h in c._part(n, v_shaped).tied_held_for_w]
-    assert len(held) == 1 and value(held[0], sizes) > 0
-    assert rr_stages[-1].held_for_w - v_stages[-1].held_for_w == pytest.approx(value(held[0], sizes))
+    held = [tied[1:] for n in c._parts_per_stage(v_shaped, 2)[-1] for tied in c._part(n, v_shaped).tied_held_for_w]
+    assert len(held) == 1 and value(held[0][0], sizes) > value(held[0][1], sizes) > 0  # its input is forward's
+    assert rr_stages[-1].held_for_w - v_stages[-1].held_for_w == pytest.approx(value(held[0][0], sizes))
+    assert rr_stages[-1].w_inputs - v_stages[-1].w_inputs == pytest.approx(value(held[0][1], sizes))
+
+
+def test_the_microbatch_in_its_b_adds_only_the_gradients_its_w_will_read(gpt2) -> None:
+    """A split backward's W reads its matmuls' inputs and their outputs' gradients. The inputs are forward's own
+    saved tensors: while a microbatch is in its B they are counted once, in forward's activations, and only the
+    gradients are new; a microbatch waiting for its W holds both (Schedule.held_counts gives the moments).
+    Under full recomputation the blocks' inputs are made again in B, no longer forward's."""
+    from autoshard.planner.memory import rank_memory
+    from autoshard.planner.simulate import built, in_flight
+    from autoshard.planner.stages import rank_sums
+
+    c = costing(gpt2)
+    plan = Plan(pp=2, schedule="zb_h1", microbatches=4)
+    sums = rank_sums(tuple(c._costed_stages(plan, 2, 1.0)), 2)
+    assert all(0 < r.w_inputs < r.held_for_w for r in sums)
+    unshared = [dataclasses.replace(r, w_inputs=0.0) for r in sums]
+    counts = in_flight(built("zb_h1", 2, 4, 1))
+    activations = rank_memory(plan, sums, counts, 2)[0].activations
+    assert activations == c.candidate(plan).memory.activations < rank_memory(plan, unshared, counts, 2)[0].activations
+    in_b = (((1, 0, 1),),) * 2  # one microbatch, in its B: its activations and its W's gradients, no more
+    for r, alone in zip(sums, unshared):
+        one, both = rank_memory(plan, [r], in_b[:1], 2)[0], rank_memory(plan, [alone], in_b[:1], 2)[0]
+        assert both.activations - one.activations == pytest.approx(r.w_inputs, abs=1)
+    again = rank_sums(tuple(c._costed_stages(dataclasses.replace(plan, recompute="full"), 2, 1.0)), 2)
+    assert all(a.w_inputs < r.w_inputs and a.held_for_w == r.held_for_w for a, r in zip(again, sums))  # blocks' out
 
 
 def test_a_pipelines_weight_gradients_accumulate_fused(gpt2) -> None:

@@ -52,10 +52,10 @@ def test_zb_h1_is_valid_and_holds_at_most_what_1f1b_holds_on_its_first_rank(pp: 
 def test_what_a_split_backward_holds_at_its_peak() -> None:
     """The counts the planner's memory reads (Schedule.held_counts): zb_h1's last rank, measured at pp=4 with
     8 microbatches, peaks in a B with three microbatches waiting for their W. The one in B still keeps its
-    activations while the factors of its W build up, so it counts as both: (1, 4), beside which no other
-    moment holds more. 1F1B holds only activations, at most pp microbatches."""
-    assert zb_h1(4, 8).held_counts()[3] == ((1, 4),)
-    assert one_f_one_b(4, 8).held_counts() == [((p, 0),) for p in one_f_one_b(4, 8).peak_in_flight()]
+    activations while the gradients its W will read build up: (1, 3, 1); after it, four wait for their W
+    and none is in B. No other moment holds more. 1F1B holds only activations, at most pp microbatches."""
+    assert zb_h1(4, 8).held_counts()[3] == ((1, 3, 1), (0, 4, 0))
+    assert one_f_one_b(4, 8).held_counts() == [((p, 0, 0),) for p in one_f_one_b(4, 8).peak_in_flight()]
 
 
 @pytest.mark.parametrize("send", [0.0, 0.1])

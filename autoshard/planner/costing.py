@@ -103,7 +103,7 @@ class Costing:
         tokens = micro / plan.cp
         layout, stages = self._layout(plan, tokens, 1.0 if shared else hw.sharing(node))
         sums = self._rank_sums(layout, stages, plan)
-        memory, per_row = rank_memory(plan, sums, (((1, 0),),) if schedule is None else in_flight(schedule), micro)
+        memory, per_row = rank_memory(plan, sums, (((1, 0, 0),),) if schedule is None else in_flight(schedule), micro)
         fits = memory.total <= hw.memory_bytes
         if unfit_memory_only and not fits:
             return Unfit(plan, memory)
@@ -238,7 +238,7 @@ class Costing:
         for stage, names in enumerate(cut_names):
             f = b = r = tp = ep = ring = 0.0
             params = elements = largest = groups = partial = expert_params = expert_elements = 0
-            kept = transient = boundary = grads_in_flight = held_for_w = weight_grad = 0.0
+            kept = transient = boundary = grads_in_flight = held_for_w = w_inputs = weight_grad = 0.0
             runs: dict[tuple[str, str], int] = {}  # (part, recompute choice) -> how many: repeated blocks once
             for name in names:
                 layer = next(block_iter) if name.startswith("block") else name
@@ -272,13 +272,15 @@ class Costing:
                     expert_elements += count * kept_share[1]
                     exchanges = count * expert_exchanges(part, plan, sizes, hw)
                     f, b, ep = f + exchanges / 2, b + exchanges / 2, ep + exchanges
-                k, tr, _, fl, w = part.at(choice, sizes, plan.autocast)
+                k, tr, _, fl, w, saved = part.at(choice, sizes, plan.autocast)
                 if plan.cp > 1 and part.attention_kv_bytes != 0:
                     forward, backward = context_exchanges(part, plan, sizes, times, hw, itemsize(dtype))
                     f, b, ring = f + count * forward, b + count * backward, ring + count * (forward + backward)
                     k += ring_kept_block(part, plan, sizes, choice)
-                w -= sum(value(held, sizes) for target, held in part.tied_held_for_w if target in in_b)
-                kept, held_for_w = kept + count * k, held_for_w + count * w
+                for target, held, inputs in part.tied_held_for_w:
+                    if target in in_b:
+                        w, saved = w - value(held, sizes), saved - (value(inputs, sizes) if saved else 0.0)
+                kept, held_for_w, w_inputs = kept + count * k, held_for_w + count * w, w_inputs + count * saved
                 transient, grads_in_flight = max(transient, tr), max(grads_in_flight, fl)
             # A tied parameter whose owner runs on another stage (the head of a pipeline's last stage): a copy.
             copies = {t: (owner, nbytes, n) for name in {name for name, _ in runs}
@@ -295,7 +297,7 @@ class Costing:
                 send = hw.collective_seconds("send_recv", boundary, 2, span)
             out.append(Stage(f, b, r, tp, send, params, elements, largest, groups, kept, transient, partial,
                              expert_params, expert_elements, ep, ring, grads_in_flight, held_for_w, frozenset(names),
-                             tuple((t, *c) for t, c in copies.items()), weight_grad))  # fmt: skip
+                             tuple((t, *c) for t, c in copies.items()), weight_grad, w_inputs))  # fmt: skip
         return out
 
     def _data_parallel(

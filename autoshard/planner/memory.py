@@ -28,11 +28,12 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def rank_memory(
-    plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[Sequence[tuple[int, int]]], micro: int
+    plan: Plan, sums: Sequence[RankSums], in_flight: Sequence[Sequence[tuple[int, int, int]]], micro: int
 ) -> tuple[Memory, float]:
     """The most loaded rank's memory (the first such rank), and its activation bytes per row of the global
     batch. ``sums``: each pipeline rank's stages (``rank_sums``); ``in_flight``: per rank, the counts of
-    microbatches it holds (forward's activations, W's factors) at the moments that can be its peak."""
+    microbatches it holds (forward's activations, W's factors, one in its B or none) at the moments that can be
+    its peak."""
     best: tuple[int, ...] = ()
     most, per_row = -1, 0.0
     # id of a rank's sums -> what they hold and its total, in a layer's backward and where the loss's begins
@@ -44,11 +45,11 @@ def rank_memory(
         fixed, fixed_total, at_loss, at_loss_total = entry
         # Each microbatch in flight on this rank holds one of its stages' activations until its B, then what its
         # W reads until that runs (pp = 1: gradient accumulation runs one microbatch at a time).
-        counts = in_flight[rank] if plan.pp > 1 else ((1, 0),)
-        f, w = counts[0]
-        kept = f * group.kept + w * group.held_for_w
-        for f, w in counts[1:]:
-            kept = max(kept, f * group.kept + w * group.held_for_w)
+        # The microbatch in its B (counted in forward's) adds only the gradients its W will read: the inputs W
+        # reads are forward's saved tensors already counted.
+        counts = in_flight[rank] if plan.pp > 1 else ((1, 0, 0),)
+        in_b = group.held_for_w - group.w_inputs
+        kept = max(f * group.kept + w * group.held_for_w + b * in_b for f, w, b in counts)
         kept /= group.count
         # Beside what is kept, the peak holds either a layer's backward (a region recomputing, ZeRO-3's
         # gathered layers and their gradients) or the gradients one op makes at once, the loss's as a rule,

@@ -162,10 +162,11 @@ def recomputed(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(names)
 
 
-def held_for_w(g: fx.GraphModule, in_b: frozenset[str] = frozenset()) -> sympy.Expr:
-    """Bytes a microbatch holds from its B to its W where backward is split: each deferred matmul's input (each
-    value once) and its output's gradient (as large as the output). ``in_b``: weights whose gradient stays in
-    B (a tied weight whose owner runs on the same rank), whose matmuls hold nothing for W."""
+def held_for_w(g: fx.GraphModule, in_b: frozenset[str] = frozenset()) -> tuple[sympy.Expr, sympy.Expr]:
+    """Bytes a microbatch holds from its B to its W where backward is split, and the share of them that is
+    forward's own saved tensors: each deferred matmul's input (each value once; the matmul saved it for
+    backward) and its output's gradient (as large as the output, made in B). ``in_b``: weights whose gradient
+    stays in B (a tied weight whose owner runs on the same rank), whose matmuls hold nothing for W."""
     inputs: dict[fx.Node, sympy.Expr] = {}
     grads: list[sympy.Expr] = []
     for node in g.graph.nodes:
@@ -174,4 +175,5 @@ def held_for_w(g: fx.GraphModule, in_b: frozenset[str] = frozenset()) -> sympy.E
         if x is not None:
             inputs.setdefault(x, get_shape(x).nbytes)
             grads.append(get_shape(node).nbytes)
-    return sympy.expand(sympy.Add(*inputs.values(), *grads))
+    saved = sympy.expand(sympy.Add(*inputs.values()))
+    return sympy.expand(saved + sympy.Add(*grads)), saved

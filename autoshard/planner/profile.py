@@ -77,8 +77,9 @@ class PartAtDegree:
     attention_kv_bytes: sympy.Expr = sympy.Integer(0)
     attention_q_bytes: sympy.Expr = sympy.Integer(0)
     held_for_w: sympy.Expr = sympy.Integer(0)  # a microbatch's bytes from its B to its W (split backward)
-    # of held_for_w: each tied weight's matmuls' (by target), held for no W where its owner runs on the same rank
-    tied_held_for_w: tuple[tuple[str, sympy.Expr], ...] = ()
+    w_inputs: sympy.Expr = sympy.Integer(0)  # of held_for_w: forward's saved tensors (the matmuls' inputs)
+    # of both: each tied weight's matmuls' (by target), held for no W where its owner runs on the same rank
+    tied_held_for_w: tuple[tuple[str, sympy.Expr, sympy.Expr], ...] = ()
     sizes: dict[str, int] = field(default_factory=dict)  # the model's example sizes (what selective weighs at)
     sequence_shards: int = 1  # sequence parallel: the hidden state it reads arrives in degree sequence shards
     _saved: dict[str, tuple[sympy.Expr, sympy.Expr, frozenset[str], sympy.Expr]] = field(default_factory=dict)
@@ -92,8 +93,9 @@ class PartAtDegree:
 
     def at(
         self, choice: str, sizes: dict[str, int], autocast: torch.dtype | None = None
-    ) -> tuple[float, float, float, float, float]:
-        """(kept, transient, boundary, gradients in flight, held from B to W) bytes at ``sizes``."""
+    ) -> tuple[float, float, float, float, float, float]:
+        """(kept, transient, boundary, gradients in flight, held from B to W, of that forward's own saved tensors)
+        bytes at ``sizes``. Under recomputation W's inputs are made again in B, no longer forward's (0)."""
         key = (choice, tuple(sorted(sizes.items())), str(autocast))
         if key not in self._at:
             kept, transient, _, in_flight = self._recompute(choice, autocast)
@@ -101,6 +103,7 @@ class PartAtDegree:
             self._at[key] = (
                 value(kept, sizes), value(transient, sizes), value(self.boundary_bytes, sizes),
                 max(value(term, sizes) for term in terms), value(self.held_for_w, sizes),
+                value(self.w_inputs, sizes) if choice == "none" else 0.0,
             )  # fmt: skip
         return self._at[key]
 
@@ -175,9 +178,11 @@ def _profile_part(
         _experts(part, g, owned)
     part.attention_kv_bytes = _attention_bytes(g, slice(1, 3))
     part.attention_q_bytes = _attention_bytes(g, slice(0, 1))
-    part.held_for_w = part_graph.held_for_w(g)
+    part.held_for_w, part.w_inputs = part_graph.held_for_w(g)
     part.tied_held_for_w = tuple(
-        (target, sympy.expand(part.held_for_w - part_graph.held_for_w(g, frozenset({target})))) for target, *_ in tied
+        (target, sympy.expand(part.held_for_w - held), sympy.expand(part.w_inputs - saved))
+        for target, *_ in tied
+        for held, saved in [part_graph.held_for_w(g, frozenset({target}))]
     )
     return part
 

@@ -77,7 +77,7 @@ def table(schedule: Schedule) -> Table:
 
 
 @functools.lru_cache(maxsize=1024)
-def in_flight(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
+def in_flight(schedule: Schedule) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """Per rank, the counts of microbatches it holds, forward's activations and W's factors, at the moments
     that can be its peak (``Schedule.held_counts``; a plan's memory needs no table)."""
     return tuple(schedule.held_counts())

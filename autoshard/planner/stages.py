@@ -36,6 +36,7 @@ class Stage:
     # bytes, elements); no copy where the owner is another stage of the same rank (zbv's first and last)
     tied_copies: tuple[tuple[str, str, int, int], ...] = ()
     weight_grad: float = 0.0  # of backward: what a split backward's W computes, one microbatch
+    w_inputs: float = 0.0  # of held_for_w: forward's own saved tensors (its matmuls' inputs)
 
 
 def rank_of(stage: int, pp: int, v_placement: bool = False) -> int:
@@ -66,6 +67,7 @@ class RankSums:
     count: int  # how many stages it runs
     gradients_in_flight: float  # the most of any of its stages
     held_for_w: float  # its stages', summed
+    w_inputs: float  # the same
 
 
 def _shared_copies(group: list[Stage]) -> dict[str, tuple[int, int]]:
@@ -88,7 +90,7 @@ def rank_sums(stages: tuple[Stage, ...], pp: int, v_placement: bool = False) -> 
             sum(s.expert_elements for s in group), sum(s.groups for s in group),
             sum(s.partial_grads for s in group), max(s.largest for s in group), sum(s.kept for s in group),
             max(s.transient for s in group), len(group), max(s.gradients_in_flight for s in group),
-            sum(s.held_for_w for s in group),
+            sum(s.held_for_w for s in group), sum(s.w_inputs for s in group),
         )]
     )  # fmt: skip
 

@@ -245,31 +245,28 @@ class Schedule:
             peaks.append(peak)
         return peaks
 
-    def held_counts(self) -> list[tuple[tuple[int, int], ...]]:
-        """Per rank, the pairs (microbatches holding forward's activations, microbatches holding what their W
-        reads) that no other moment of the rank exceeds in both. A microbatch in its B counts in both: its
-        activations are still kept while the factors its W reads build up. Without a split backward,
-        (peak_in_flight, 0)."""
+    def held_counts(self) -> list[tuple[tuple[int, int, int], ...]]:
+        """Per rank, the triples (microbatches holding forward's activations, microbatches holding what their W
+        reads, whether one is in its B) that no other moment of the rank exceeds in all three. A microbatch in
+        its B counts in forward's while the gradients its W will read build up beside them (the inputs W reads
+        are forward's own saved tensors). Without a split backward, (peak_in_flight, 0, 0)."""
         if not self.splits_backward:
-            return [((peak, 0),) for peak in self.peak_in_flight()]
+            return [((peak, 0, 0),) for peak in self.peak_in_flight()]
         out = []
         for actions in self.ranks:
             forward = waiting = 0
-            seen: set[tuple[int, int]] = set()
+            seen: set[tuple[int, int, int]] = set()
             for action in actions:
                 if action.kind == "F":
                     forward += 1
                 elif action.kind == "B":
-                    seen.add((forward, waiting + 1))  # during B
+                    seen.add((forward, waiting, 1))  # during B
                     forward, waiting = forward - 1, waiting + 1
                 elif action.kind == "W":
                     waiting -= 1
-                seen.add((forward, waiting))
-            frontier, most_waiting = [], -1
-            # Most forward first: a pair stays where it waits on more W's than every pair holding as much forward.
-            for pair in sorted(seen, key=lambda p: (-p[0], -p[1])):
-                if pair[1] > most_waiting:
-                    frontier.append(pair)
-                    most_waiting = pair[1]
-            out.append(tuple(frontier))
+                seen.add((forward, waiting, 0))
+            frontier = [
+                m for m in seen if not any(o != m and all(a >= b for a, b in zip(o, m)) for o in seen)
+            ]  # the moments no other holds at least as much as in every count
+            out.append(tuple(sorted(frontier, reverse=True)))
         return out

@@ -1089,8 +1089,8 @@ MUTANTS: list[dict] = [
     {
         "name": "147_a_microbatch_in_b_counts_once",
         "file": "autoshard/spec/schedules.py",
-        "why": "a split backward's microbatch in its B is counted with its activations only, not also with the W "
-        "factors it builds",
+        "why": "a split backward's microbatch in its B is counted with its activations only, not also with the "
+        "gradients its W will read",
         "tests": ["tests/test_zero_bubble.py"],
         "k": "split_backward_holds",
     },
@@ -1332,5 +1332,15 @@ MUTANTS: list[dict] = [
         ),
         "tests": ["tests/test_planner_rules.py"],
         "k": "keeps_its_gradient_in_b",
+    },
+    {
+        "name": "176_the_microbatch_in_b_counts_ws_inputs_twice",
+        "file": "autoshard/planner/memory.py",
+        "why": (
+            "the microbatch in its B is counted at forward's activations and all of W's factors, though the inputs "
+            "W reads are forward's saved tensors: a split backward's memory predicted high"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "in_its_b",
     },
 ]
