@@ -365,6 +365,27 @@ def test_default_microbatches_are_the_most_that_divide_the_rows(rows: int, pp: i
     assert default_microbatches(rows, pp, schedule) == expected
 
 
+def test_a_collective_between_the_sizes_timed_costs_what_they_cost() -> None:
+    """A measured collective's line runs through the smallest and the largest size timed; between, its cost is
+    read off the timings (linear between the nearest two, none cheaper than a smaller one: noise), so a 2 MiB
+    all-reduce that costs 1.6x the line here is predicted at its cost. Beyond the sizes, and on a group size
+    not timed, the line; from JSON, the same."""
+    from autoshard.planner.links import CollectiveFit
+
+    mib = 2**20
+    timed = ((2**10, 1e-3), (2**17, 3e-3), (2 * mib, 2e-3), (16 * mib, 10e-3))
+    fit = CollectiveFit("all_reduce", "intra", 2, 2.0e9, 1e-4, timed)
+    hw = Hardware.preset("cpu").with_(collectives=(fit,))
+    assert hw.collective_seconds("all_reduce", 2**10, 2) == pytest.approx(1e-3)
+    assert hw.collective_seconds("all_reduce", (2**10 + 2**17) / 2, 2) == pytest.approx(2e-3)
+    assert hw.collective_seconds("all_reduce", mib, 2) == pytest.approx(3e-3)  # 2 MiB's 2 ms is noise: 3 ms
+    assert hw.collective_seconds("all_reduce", 9 * mib, 2) == pytest.approx(6.5e-3)
+    line = lambda n, size: 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * size / 2.0e9  # noqa: E731
+    assert hw.collective_seconds("all_reduce", 32 * mib, 2) == pytest.approx(line(2, 32 * mib))
+    assert hw.collective_seconds("all_reduce", mib, 4) == pytest.approx(line(4, mib))
+    assert Hardware.from_json(hw.to_json()).collective_seconds("all_reduce", mib, 2) == pytest.approx(3e-3)
+
+
 def test_shared_processors_are_those_a_hosts_ranks_run_on_together(monkeypatch) -> None:
     """shared_cores counts the processors a host's ranks may run on together: two ranks pinned to a core each
     share none, though each sees one processor of its own; four on two processors share them."""
@@ -421,6 +442,7 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
         (op, n) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all") for n in (4, 2)
     }
     assert all(0 < c.bandwidth <= hw.memory_bandwidth and c.latency >= 0 for c in hw.collectives)
+    assert all(len(c.points) == 4 and all(t > 0 for _, t in c.points) for c in hw.collectives)  # each size timed
     assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1
     assert hw.action_gap > 0  # CPU ranks: the pipeline runtime's bookkeeping between two actions
     # The probe groups are the process's shared ones: a second calibration makes none.

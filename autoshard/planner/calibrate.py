@@ -17,10 +17,11 @@ device:
   its ranks may run on, together), ``shared_cores`` is the processors;
 - on CPU ranks that share cores, how long a synchronous collective after compute waits for the last rank
   (``sync_wait``); on CPU ranks, what the pipeline runtime spends between two actions (``action_gap``);
-- all-reduce, all-gather, reduce-scatter (issued as the runtime issues them, distributed/comm.py) and a
-  send/receive pair at two sizes over the whole group and over pairs of neighbouring ranks: a latency
-  per ring step and a bus bandwidth per operation and group size (``Hardware.collectives``), the
-  nearest of which the cost model uses.
+- all-reduce, all-gather, reduce-scatter (issued as the runtime issues them, distributed/comm.py), an
+  all-to-all and a send/receive pair at four sizes over the whole group and over pairs of neighbouring
+  ranks: a latency per ring step and a bus bandwidth per operation and group size through the smallest
+  and the largest, and the timings themselves (``Hardware.collectives``; the cost model reads a size
+  between off them, and the line beyond).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = ["measure", "shared_processors"]
 _SIZES = (64, 128, 256, 512, 1024)
 _GPU_SIZES = (512, 1024, 2048, 4096, 8192)  # a GPU's GEMMs reach their rate only past a few thousand
 _SMALL, _LARGE = 2**10, 2**24  # collective message bytes: latency-bound, bandwidth-bound
+_COLLECTIVE_SIZES = (_SMALL, 2**17, 2**21, _LARGE)  # and between, where the cost leaves the line through those
 _LEAST = 0.03  # seconds each collective timing lasts: a single call is within a scheduler's noise on shared cores
 
 
@@ -279,7 +281,7 @@ def measure(
         figures = [peak / work, half, bandwidth / work, overhead * each_op, shared, link, host_memory]
     finally:
         timing.TOGETHER[0] = None
-    fits: list[tuple[str, str, int, float, float]] = []
+    fits: list[tuple[str, str, int, list[float]]] = []
     waits: list[tuple[int, float]] = []  # (group size, sync wait) on CPU ranks
     action_gap = 0.0  # a GPU's host runs ahead of its kernels: the runtime's bookkeeping hides
     if distributed and world > 1 and not cuda:
@@ -293,14 +295,14 @@ def measure(
                 dist.barrier(group=group)
                 waits.append((len(layout[0]), _sync_wait(device, made[mine]) if mine is not None else 0.0))
             for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"):
-                times = [0.0, 0.0]
+                times = [0.0] * len(_COLLECTIVE_SIZES)
                 if mine is not None:
                     ranks = layout[mine]
-                    times = [_collective(op, made[mine], ranks, me, device, size) for size in (_SMALL, _LARGE)]
+                    times = [_collective(op, made[mine], ranks, me, device, size) for size in _COLLECTIVE_SIZES]
                 n = len(layout[0])
                 scope = "intra" if n <= per_node else "inter"
-                fits.append((op, scope, n, *times))
-        timings = [t for *_, s, lg in fits for t in (s, lg)] + [w for _, w in waits]
+                fits.append((op, scope, n, times))
+        timings = [t for *_, times in fits for t in times] + [w for _, w in waits]
         timings = torch.tensor(timings, dtype=torch.float64, device=device)
         local = torch.tensor(figures, dtype=torch.float64, device=device)
         local[0] = -local[0]  # the slowest rank's: MAX of the negation
@@ -310,18 +312,18 @@ def measure(
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), *(-local[4:]).tolist()]
-        fits = [(op, scope, n, timings[2 * i].item(), timings[2 * i + 1].item())
-                for i, (op, scope, n, *_) in enumerate(fits)]  # fmt: skip
-        waits = [(n, timings[2 * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
+        k = len(_COLLECTIVE_SIZES)
+        fits = [(op, scope, n, timings[k * i : k * (i + 1)].tolist()) for i, (op, scope, n, _) in enumerate(fits)]
+        waits = [(n, timings[k * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
     peak, half, bandwidth, overhead, shared, link, host_memory = figures
     if not cuda:
         link = bandwidth
     waits = waits if shared else []  # ranks with cores of their own arrive together
     sync = next((w for n, w in waits if n == world), 0.0)
     collectives = []
-    for op, scope, n, small, large in fits:
-        bw, latency = _fit(op, n, small, large, bandwidth)
-        collectives.append(CollectiveFit(op, scope, n, bw, latency))
+    for op, scope, n, times in fits:
+        bw, latency = _fit(op, n, times[0], times[-1], bandwidth)
+        collectives.append(CollectiveFit(op, scope, n, bw, latency, tuple(zip(_COLLECTIVE_SIZES, times))))
     if memory_bytes is None:
         if cuda:
             memory_bytes = torch.cuda.get_device_properties(device).total_memory

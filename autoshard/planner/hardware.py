@@ -145,9 +145,8 @@ class Hardware:
     def link(self, op: str, group_size: int, scope: str) -> tuple[float, float]:
         """(bus bandwidth, latency per step) of ``op`` over ``group_size`` ranks: the nearest measured fit,
         else the link's figures."""
-        fits = [f for f in self.collectives if f.op == op and f.scope == scope]
-        if fits:
-            best = min(fits, key=lambda f: (abs(math.log(f.group_size / group_size)), f.group_size))
+        best = self._nearest(op, group_size, scope)
+        if best is not None:
             return best.bandwidth, best.latency
         if scope == "intra":
             return self.intra_bandwidth, self.intra_latency
@@ -160,6 +159,10 @@ class Hardware:
         if n <= 1 and op != "send_recv":
             return 0.0
         scope = self.scope(span or n)
+        fit = self._nearest(op, n, scope)
+        timed = fit.seconds_at(nbytes) if fit is not None and fit.group_size == n else None
+        if timed is not None:
+            return timed
         bandwidth, latency = self.link(op, n, scope)
         factor, steps = ring_factors(op, n)
         ring = steps * latency + factor * nbytes / bandwidth
@@ -168,6 +171,12 @@ class Hardware:
             tree = 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bandwidth
             return min(ring, tree)
         return ring
+
+    def _nearest(self, op: str, group_size: int, scope: str) -> CollectiveFit | None:
+        fits = [f for f in self.collectives if f.op == op and f.scope == scope]
+        if not fits:
+            return None
+        return min(fits, key=lambda f: (abs(math.log(f.group_size / group_size)), f.group_size))
 
     def _measured(self, op: str, scope: str) -> bool:
         return any(f.op == op and f.scope == scope for f in self.collectives)
