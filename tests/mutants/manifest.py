@@ -1343,4 +1343,21 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "in_its_b",
     },
+    {
+        "name": "177_a_collective_between_the_sizes_timed_on_the_line",
+        "file": "autoshard/planner/hardware.py",
+        "why": (
+            "the cost model reads every collective off the line through the smallest and largest sizes timed: a "
+            "2 MiB all-reduce that costs 1.6x the line here is predicted at the line"
+        ),
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "between_the_sizes",
+    },
+    {
+        "name": "178_a_larger_collective_timed_cheaper_is_believed",
+        "file": "autoshard/planner/links.py",
+        "why": "a size timed faster than a smaller one (noise) makes the sizes between it and the smaller cheaper",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "between_the_sizes",
+    },
 ]
