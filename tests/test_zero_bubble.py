@@ -58,6 +58,16 @@ def test_what_a_split_backward_holds_at_its_peak() -> None:
     assert one_f_one_b(4, 8).held_counts() == [((p, 0, 0),) for p in one_f_one_b(4, 8).peak_in_flight()]
 
 
+@given(st.sets(st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 1)), min_size=1, max_size=16))
+def test_held_counts_keeps_exactly_the_moments_nothing_else_covers(moments: set) -> None:
+    """The frontier held_counts keeps (a sweep, fast on a search's long schedules) is the definition's: the
+    moments that no other moment holds at least as much as in every count."""
+    from autoshard.spec.schedules import _frontier
+
+    covered = lambda m: any(o != m and all(a >= b for a, b in zip(o, m)) for o in moments)  # noqa: E731
+    assert sorted(_frontier(moments)) == sorted(m for m in moments if not covered(m))
+
+
 @pytest.mark.parametrize("send", [0.0, 0.1])
 @pytest.mark.parametrize(("pp", "m", "most"), [(4, 8, 0.55), (2, 8, 0.55)])
 def test_zb_h1_bubble_against_1f1b_when_b_and_w_are_each_a_forward(pp: int, m: int, most: float, send: float) -> None:

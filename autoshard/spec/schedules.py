@@ -265,8 +265,23 @@ class Schedule:
                 elif action.kind == "W":
                     waiting -= 1
                 seen.add((forward, waiting, 0))
-            frontier = [
-                m for m in seen if not any(o != m and all(a >= b for a, b in zip(o, m)) for o in seen)
-            ]  # the moments no other holds at least as much as in every count
-            out.append(tuple(sorted(frontier, reverse=True)))
+            out.append(_frontier(seen))
         return out
+
+
+def _frontier(moments: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The moments (forward's, W's, one in B) that no other holds at least as much as in every count, most
+    forward first: a sweep per value of the last count (0 or 1; a search builds schedules of thousands of
+    actions), then those with none in B that one in B covers."""
+
+    def sweep(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        kept: list[tuple[int, int]] = []
+        for pair in sorted(pairs, key=lambda p: (-p[0], -p[1])):
+            if not kept or pair[1] > kept[-1][1]:
+                kept.append(pair)
+        return kept
+
+    in_b = sweep([(f, w) for f, w, b in moments if b])
+    none = [(f, w) for f, w in sweep([(f, w) for f, w, b in moments if not b])
+            if not any(g >= f and v >= w for g, v in in_b)]  # fmt: skip
+    return tuple(sorted([(f, w, 1) for f, w in in_b] + [(f, w, 0) for f, w in none], reverse=True))
