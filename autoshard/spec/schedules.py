@@ -272,7 +272,7 @@ class Schedule:
 def _frontier(moments: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
     """The moments (forward's, W's, one in B) that no other holds at least as much as in every count, most
     forward first: a sweep per value of the last count (0 or 1; a search builds schedules of thousands of
-    actions), then those with none in B that one in B covers."""
+    actions), less the moments with none in B that a moment with one in B covers."""
 
     def sweep(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         kept: list[tuple[int, int]] = []
