@@ -28,7 +28,7 @@ from autoshard.planner.part_times import value
 from autoshard.planner.profile import ModelProfile, PartAtDegree
 from autoshard.planner.report import Candidate, Memory, StepTime, bottleneck
 from autoshard.planner.simulate import built, in_flight, simulate, simulate_shared
-from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_of, rank_sums
+from autoshard.planner.stages import RankSums, Stage, balanced_starts, rank_sums
 from autoshard.spec.plan import Plan
 from autoshard.spec.schedules import Schedule
 
@@ -233,7 +233,8 @@ class Costing:
         out = []
         cut_names = self._parts_per_stage(plan, micro)
         block_iter = iter(self.profile.block_names)
-        ranks = [rank_of(i, plan.pp, plan.v_placement) for i in range(len(cut_names))]
+        schedule = self._schedule(plan)
+        ranks = [schedule.rank_of(i) if schedule is not None else 0 for i in range(len(cut_names))]
         rank_of_part = {name: ranks[i] for i, names in enumerate(cut_names) for name in names}
         for stage, names in enumerate(cut_names):
             f = b = r = tp = ep = ring = 0.0
@@ -254,8 +255,7 @@ class Costing:
                 b += count * (slowdown * backward + times.tp_backward + again)
                 r += count * again
                 # A tied weight whose owner runs on this rank too keeps its gradient in B (one place, whole).
-                owners = {target: owner for target, owner, *_ in part.tied}
-                in_b = {target for target in owners if rank_of_part.get(owners[target]) == ranks[stage]}
+                in_b = {target for target, owner, *_ in part.tied if rank_of_part.get(owner) == ranks[stage]}
                 kept_in_b = sum(t for target, t in times.tied_weight_grad if target in in_b)
                 weight_grad += count * slowdown * (times.weight_grad - kept_in_b)
                 tp += count * (times.tp_forward + times.tp_backward)

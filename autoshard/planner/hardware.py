@@ -163,7 +163,7 @@ class Hardware:
         timed = fit.seconds_at(nbytes) if fit is not None and fit.group_size == n else None
         if timed is not None:
             return timed
-        bandwidth, latency = self.link(op, n, scope)
+        bandwidth, latency = (fit.bandwidth, fit.latency) if fit is not None else self.link(op, n, scope)
         factor, steps = ring_factors(op, n)
         ring = steps * latency + factor * nbytes / bandwidth
         if op == "all_reduce" and not self._measured(op, scope):

@@ -170,9 +170,8 @@ def held_for_w(g: fx.GraphModule, in_b: frozenset[str] = frozenset()) -> tuple[s
     inputs: dict[fx.Node, sympy.Expr] = {}
     grads: list[sympy.Expr] = []
     for node in g.graph.nodes:
-        deferred = node.op == "call_function" and passes.weight_grad_split.deferred_weight(g, node) not in (None, *in_b)
-        x = passes.weight_grad_split.deferred_input(g, node) if deferred else None
-        if x is not None:
+        x = passes.weight_grad_split.deferred_input(g, node) if node.op == "call_function" else None
+        if x is not None and passes.weight_grad_split.deferred_weight(g, node) not in in_b:
             inputs.setdefault(x, get_shape(x).nbytes)
             grads.append(get_shape(node).nbytes)
     saved = sympy.expand(sympy.Add(*inputs.values()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["RankSums", "Stage", "balanced_starts", "by_rank", "rank_of", "rank_sums"]
+__all__ = ["RankSums", "Stage", "balanced_starts", "by_rank", "rank_sums"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,6 @@ class Stage:
     tied_copies: tuple[tuple[str, str, int, int], ...] = ()
     weight_grad: float = 0.0  # of backward: what a split backward's W computes, one microbatch
     w_inputs: float = 0.0  # of held_for_w: forward's own saved tensors (its matmuls' inputs)
-
-
-def rank_of(stage: int, pp: int, v_placement: bool = False) -> int:
-    """The pipeline rank a stage runs on (``by_rank``'s placement)."""
-    return 2 * pp - 1 - stage if v_placement and stage >= pp else stage % pp
 
 
 def by_rank(stages: list[Stage], pp: int, v_placement: bool = False) -> list[list[Stage]]:
