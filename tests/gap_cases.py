@@ -15,7 +15,9 @@ shards the blocks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -169,6 +171,19 @@ def assert_updates_close(states: list[dict], ref_states: list[dict], rtol: float
             )
 
 
+@contextlib.contextmanager
+def one_thread_like_a_rank() -> Iterator[None]:
+    """Compute on one thread, as each rank of the test pools does (LocalRanks' default): a reduction split
+    over threads rounds differently in bf16 (a LayerNorm's weight and bias gradients, over the rows), and a
+    low-precision reference must round as the ranks do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train_single_device_as_program(
     family: str, dtype: torch.dtype, dp: int, steps: int = 3, **shape: Any
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -185,9 +200,7 @@ def train_single_device_as_program(
     model.to(dtype)
     opt = adamw(masters)
     losses = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread_like_a_rank():
         for batch in case.batches:
             loss, total = gradient_as_ranks_form_it(case, batch, params, dp)
             for master, grad in zip(masters, total):
@@ -197,8 +210,6 @@ def train_single_device_as_program(
                 for p, m in zip(params, masters):
                     p.copy_(m)
             losses.append(loss)
-    finally:
-        torch.set_num_threads(threads)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

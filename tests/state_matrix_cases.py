@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from cases import adamw, build_case, train_local_batches
-from gap_cases import gradient_as_ranks_form_it
+from gap_cases import gradient_as_ranks_form_it, one_thread_like_a_rank
 from torch import nn
 
 import autoshard
@@ -88,18 +88,19 @@ def reference(first: str, then: str, fresh_optimizer: bool) -> tuple[float, dict
     masters = [nn.Parameter(p.detach().clone()) for p in params]
     optimizer = adamw(masters)
     loss = 0.0  # the last step's
-    for step, batch in enumerate(case.batches):
-        _, _, dtype, dp = PLANS[first if step < K else then]
-        if step == K and fresh_optimizer:
-            optimizer = adamw(masters)
-        model.to(dtype)
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-        loss, total = gradient_as_ranks_form_it(case, batch, params, dp)
-        for m, grad in zip(masters, total):
-            m.grad = grad.float()
-        optimizer.step()
+    with one_thread_like_a_rank():  # each rank computes on one
+        for step, batch in enumerate(case.batches):
+            _, _, dtype, dp = PLANS[first if step < K else then]
+            if step == K and fresh_optimizer:
+                optimizer = adamw(masters)
+            model.to(dtype)
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+            loss, total = gradient_as_ranks_form_it(case, batch, params, dp)
+            for m, grad in zip(masters, total):
+                m.grad = grad.float()
+            optimizer.step()
     by_param = {id(p): m for p, m in zip(params, masters)}
     state = {
         key: by_param[id(t)].detach().clone() if id(t) in by_param else t.detach().clone()
