@@ -9,6 +9,7 @@ Not a test: nothing here asserts a duration. Numbers depend on the machine; the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -24,6 +25,8 @@ from recompute import bench_recompute
 import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
 from autoshard.launch import LocalRanks
+from autoshard.spec.schedule_builders import build_schedule
+from autoshard.spec.schedules import Action, Schedule
 
 RESULTS: list[tuple[str, str, str, float, str]] = []
 
@@ -539,11 +542,16 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
     idle: list[float] = []
     windows: list[tuple[float, float, float]] = []  # each step's (start, seconds, busy seconds) on the host's clock
 
+    durations: dict[tuple[int, str], list[float]] = {}  # (stage, kind) -> seconds of each action measured
+
     def our_step_measured(x: torch.Tensor, y: torch.Tensor) -> None:
         our_step(x, y)
         stats = program.pipeline_stats
         idle.append(stats.idle_fraction)
         windows.append((stats.started_at, stats.step_seconds, stats.busy_seconds))
+        for text, began, ended in stats.events:
+            action = Action.parse(text)
+            durations.setdefault((action.stage, action.kind), []).append(ended - began)
 
     timings = _alternate(our_step_measured, their_step, data, rounds)
     in_flight = program.pipeline_stats.peak_in_flight
@@ -554,7 +562,51 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
         "windows": windows,
         "in_flight": in_flight,
         "peak": peak,
+        "durations": {key: statistics.median(seconds) for key, seconds in durations.items()},
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeasuredStage:
+    """A stage's median action times as measured, in the form the planner's simulation reads."""
+
+    forward: float
+    backward: float  # B and W together where backward is split
+    send: float
+    weight_grad: float
+
+
+def _floor_idle(schedule_name: str, ranks: int, results: list[dict[str, Any]], steps: int = 6) -> float:
+    """The schedule's own idle fraction per rank, as measured (each rank's window from its step's start to its
+    last action), with each action as long as its measured median and each hand-over instant: the planner's
+    simulation (autoshard/planner/simulate.py) of ``steps`` steps back to back, each rank starting the next
+    where it ended its own (the optimizer step, longer than the ranks end apart, keeps them that far apart);
+    the mean over ranks and the steps after the first. What the measured idle adds to it is the actions'
+    variation (one rank's action running long holds up the next rank) and the ranks' optimizer steps unequal."""
+    from autoshard.planner.simulate import simulate
+
+    measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
+    virtual = 2 if schedule_name in ("zbv", "dualpipev") else 1
+    one = build_schedule(schedule_name, ranks, PIPE["microbatches"], virtual)
+    m = one.microbatches
+    repeated = tuple(
+        tuple(Action(a.stage, a.kind, a.microbatch + k * m) for k in range(steps) for a in actions)
+        for actions in one.ranks
+    )
+    schedule = Schedule(one.name, one.pp, m * steps, virtual, repeated, one.placement)
+    stages = []
+    for stage in range(schedule.n_stages):
+        w = measured.get((stage, "W"), 0.0)
+        stages.append(_MeasuredStage(measured[(stage, "F")], measured[(stage, "B")] + w, 0.0, w))
+    _, _, timeline = simulate(schedule, tuple(stages), timeline=True)
+    idle = []
+    for rank, rows in enumerate(timeline):
+        n = len(one.ranks[rank])
+        for k in range(2, steps):  # the first steps fill the pipeline from a common start
+            step = rows[k * n : (k + 1) * n]
+            window = step[-1][2] - rows[k * n - 1][2]
+            idle.append(1 - sum(end - start for _, start, end in step) / window)
+    return statistics.mean(idle)
 
 
 def _common_idle(results: list[dict[str, Any]]) -> float:
@@ -662,6 +714,7 @@ def bench_zero_bubble() -> None:
             with LocalRanks(ranks) as pool:
                 results[schedule] = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=3)
         idle = {s: statistics.mean(r["idle"] for r in results[s]) for s in results}
+        floor = {s: _floor_idle(s, ranks, results[s]) for s in results}
         common = {s: _common_idle(results[s]) for s in results}
         step = {
             (s, who): statistics.median(t for r in results[s] for t in r["timings"][who])
@@ -683,6 +736,14 @@ def bench_zero_bubble() -> None:
                 f"1f1b {idle['1f1b']:.3f}",
                 idle[schedule] / idle["1f1b"],
                 targets[schedule],
+            )
+            report(
+                f"pp={ranks} m={m}: the schedule's own idle fraction, {schedule} vs 1f1b: simulated with each action "
+                f"as long as its measured median, without their variation (what the ratio above would be without it)",
+                f"{floor[schedule]:.3f}",
+                f"1f1b {floor['1f1b']:.3f}",
+                floor[schedule] / floor["1f1b"],
+                "reported",
             )
             report(
                 f"pp={ranks} m={m}: mean idle fraction per rank over the step's common window, {schedule} vs 1f1b",
