@@ -427,6 +427,8 @@ def test_cpu_ranks_are_calibrated_computing_at_once_as_they_train(ranks) -> None
 
 @pytest.mark.slow  # long (15-35 s): under -m slow
 def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None:
+    from autoshard.planner.kernels import TIMED
+
     results = ranks(4).run(measured_hardware, 2)
     measured = [Hardware.from_json(rank[0][0]) for rank in results]
     assert all(h == measured[0] for h in measured[1:])  # every rank gets the same figures, so plans alike
@@ -445,6 +447,7 @@ def test_measure_calibrates_every_rank_alike_and_keeps_its_groups(ranks) -> None
     assert all(len(c.points) == 4 and all(t > 0 for _, t in c.points) for c in hw.collectives)  # each size timed
     assert hw.peak() > 0 and hw.memory_bandwidth > 0 and hw.op_overhead > 0 and hw.matmul_half_dim >= 1
     assert hw.action_gap > 0  # CPU ranks: the pipeline runtime's bookkeeping between two actions
+    assert [name for name, *_ in hw.kernel_rates] == list(TIMED)  # CPU ranks: each slow kernel's own rate
     # The probe groups are the process's shared ones: a second calibration makes none.
     assert all(rank[1][1] == rank[0][1] for rank in results)
 
@@ -633,3 +636,51 @@ def test_a_plan_over_the_memory_is_ranked_by_its_memory_alone(gpt2) -> None:
         if screened.fits:
             assert screened.step_time == whole.step_time, plan
     assert {c.fits for c in (small.candidate(p, False, unfit_memory_only=True) for p in plans)} == {True, False}
+
+
+def test_a_cpu_kernel_slower_than_memory_is_costed_at_its_measured_rate(gpt2) -> None:
+    """A CPU applies a tanh, a GELU or a softmax, or draws a dropout mask, slower than it moves memory
+    (planner/kernels.py): a node that runs one of them costs what Hardware.measure() timed for it, forward and
+    backward (twice the bytes); every other kernel, and every matmul with its weight gradient, as before."""
+    profile, sizes = gpt2[:2]
+    block = profile.part(profile.blocks[0], 1, False)
+    tanh = [w for w in block.works if w.kernel_name == "tanh"]
+    assert len(tanh) == 1  # GPT-2's GELU, written out: 0.5 * x * (1 + tanh(...))
+    moved = float(evaluate_expr(tanh[0].nbytes, sizes))
+    cpu = Hardware.preset("cpu")
+    slow = cpu.with_(kernel_rates=(("tanh", cpu.memory_bandwidth / 4, cpu.memory_bandwidth / 2),))
+    assert slow.kernel_seconds("tanh", moved) == pytest.approx(cpu.op_overhead + 4 * moved / cpu.memory_bandwidth)
+    assert slow.kernel_seconds("tanh", moved, backward=True) == pytest.approx(
+        cpu.op_overhead + 4 * moved / cpu.memory_bandwidth
+    )
+    assert slow.kernel_seconds("gelu", moved) == cpu.kernel_seconds("tanh", moved) == cpu.memory_seconds(moved)
+    before, after = block.times(sizes, cpu, None), dataclasses.replace(block, _times={}).times(sizes, slow, None)
+    assert after.forward - before.forward == pytest.approx(3 * moved / cpu.memory_bandwidth)
+    assert after.backward - before.backward == pytest.approx(2 * moved / cpu.memory_bandwidth)
+    assert after.weight_grad == before.weight_grad  # W: the matmuls' weight gradients
+    assert Hardware.from_json(slow.to_json()) == slow
+
+
+def test_the_kernels_timed_apart_are_named_by_what_they_compute() -> None:
+    """The erf and the tanh GELU are timed apart (4x apart on one core here); a dropout draws a mask, and so is
+    timed, only in training with p > 0; an add runs at the memory bandwidth."""
+    from autoshard.planner.kernels import TIMED, kernel_name
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.GELU(approximate="tanh"), torch.nn.Dropout(0.1),
+        torch.nn.Dropout(0.0), torch.nn.LayerNorm(8), torch.nn.Softmax(-1),
+    )  # fmt: skip
+    captured = capture(model, (torch.randn(4, 8),), None, torch.nn.functional.mse_loss, torch.randn(4, 8))
+    names = [kernel_name(n) for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert [n for n in names if n] == ["gelu", "gelu_tanh", "dropout", "layer_norm", "softmax"]
+    assert set(TIMED) >= {"gelu", "gelu_tanh", "dropout", "layer_norm", "softmax"}
+
+
+def test_a_cpu_calibration_times_each_kernel_forward_and_backward() -> None:
+    from autoshard.planner.calibrate import _kernel_rates
+    from autoshard.planner.kernels import TIMED
+
+    rates = _kernel_rates(torch.device("cpu"), shared=False)
+    assert [name for name, *_ in rates] == list(TIMED)
+    assert all(forward > 0 and backward > 0 for _, forward, backward in rates)
+    assert _kernel_rates(torch.device("meta"), shared=False) == []  # a GPU's run at its memory bandwidth

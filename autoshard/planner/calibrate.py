@@ -8,8 +8,9 @@ device:
   CPU ranks with cores of their own: the wall clock, every rank at once; GPUs one rank at a time):
   matmuls of n x n by n x n for a few n (the fastest reached is the peak, ``matmul_efficiency`` 1.0, and
   ``matmul_half_dim`` is fitted so that ``(n / (n + half))**3`` follows the smaller ones, less the pass
-  that packs their operands on a CPU), a copy of a large tensor (memory bandwidth) and a chain of tiny ops
-  with autograd recording (the cost of one op: launch, or on a CPU the eager dispatch);
+  that packs their operands on a CPU), a copy of a large tensor (memory bandwidth), a chain of tiny ops
+  with autograd recording (the cost of one op: launch, or on a CPU the eager dispatch) and, on a CPU, the
+  kernels that run slower than its memory moves (planner/kernels.py: GELU, softmax, ...), each on its own;
 - two small GPTs' training steps (one mostly per-op overhead, one mostly matmuls), predicted from those
   figures by the planner's own profile and measured the same way: they fit one factor for the kernels'
   work and one for the per-op overhead (what single ops miss: autograd's engine, and on shared
@@ -38,7 +39,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from autoshard.distributed.comm import CommCounter
 from autoshard.distributed.groups import shared_group
-from autoshard.planner import timing
+from autoshard.planner import kernels, timing
 from autoshard.planner.links import CollectiveFit, ring_factors
 from autoshard.planner.timing import compute_seconds, seconds
 from autoshard.planner.workloads import GPU_WORKLOADS, WORKLOADS, scales, workload
@@ -82,6 +83,26 @@ def _memory_bandwidth(device: torch.device, shared: bool) -> float:
     x = torch.empty(2**26 if device.type == "cuda" else 2**24, device=device)  # 256 MiB past a GPU's L2; 64 MiB
     y = torch.empty_like(x)
     return 2 * x.numel() * x.element_size() / compute_seconds(lambda: y.copy_(x), device, 0.05, shared)
+
+
+def _kernel_rates(device: torch.device, shared: bool) -> list[tuple[str, float, float]]:
+    """(kernel, forward, backward bytes/s) of each of planner/kernels.py's kernels on a CPU, on a 1024 x 1024 tensor,
+    in the cost model's bytes (what the node reads and writes; backward twice that). A GPU's run at its memory
+    bandwidth: none."""
+    if device.type != "cpu":
+        return []
+    rates = []
+    for name, forward in kernels.TIMED.items():
+        x = torch.randn(1024, 1024, device=device, requires_grad=True)
+        y = forward(x)
+        grad = torch.randn_like(y)
+        moved = 2 * x.numel() * x.element_size()  # read and written
+        ahead = compute_seconds(lambda x=x, forward=forward: forward(x.detach()), device, 0.01, shared)
+        back = compute_seconds(
+            lambda y=y, x=x, grad=grad: torch.autograd.grad(y, x, grad, retain_graph=True), device, 0.01, shared
+        )
+        rates.append((name, moved / ahead, 2 * moved / back))
+    return rates
 
 
 def _optimizer_bandwidth(shared: bool) -> float:
@@ -272,13 +293,16 @@ def measure(
     try:
         bandwidth, overhead = _memory_bandwidth(device, shared > 0), _op_overhead(device, shared > 0)
         peak, half = _matmul(device, getattr(torch, dtype_name), shared > 0, bandwidth if base.packs_operands else 0.0)
+        rates = _kernel_rates(device, shared > 0)
         # On a CPU the host is the device: its link is its memory, its optimizer step every step's.
         link, host_memory = _host_link(device) if cuda else (0.0, _optimizer_bandwidth(shared > 0))
         probe = base.with_(peak_flops={dtype_name: peak, "float32": peak}, matmul_efficiency=1.0,
-                           matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead)  # fmt: skip
+                           matmul_half_dim=half, memory_bandwidth=bandwidth, op_overhead=overhead,
+                           kernel_rates=tuple(rates))  # fmt: skip
         workloads = GPU_WORKLOADS if cuda else WORKLOADS
         work, each_op = scales([workload(device, probe, shared > 0, size) for size in workloads])
         figures = [peak / work, half, bandwidth / work, overhead * each_op, shared, link, host_memory]
+        rates = [(name, ahead / work, back / work) for name, ahead, back in rates]
     finally:
         timing.TOGETHER[0] = None
     fits: list[tuple[str, str, int, list[float]]] = []
@@ -309,8 +333,12 @@ def measure(
         local[2] = -local[2]
         local[4] = -local[4]
         local[5:] = -local[5:]  # the host figures: the slowest rank's
+        slowest = torch.tensor([-r for _, *both in rates for r in both], dtype=torch.float64, device=device)
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        if rates:  # the slowest rank's rate of each kernel
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            rates = [(name, -slowest[2 * i].item(), -slowest[2 * i + 1].item()) for i, (name, *_) in enumerate(rates)]
         figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), *(-local[4:]).tolist()]
         k = len(_COLLECTIVE_SIZES)
         fits = [(op, scope, n, timings[k * i : k * (i + 1)].tolist()) for i, (op, scope, n, _) in enumerate(fits)]
@@ -348,5 +376,6 @@ def measure(
         sync_wait=sync,
         group_sync_waits=tuple(waits),
         action_gap=action_gap,
+        kernel_rates=tuple(rates),
         source=f"Hardware.measure() on {world} rank(s), {time.strftime('%Y-%m-%d')}",
     )

@@ -75,6 +75,10 @@ class Hardware:
     # actions of two pipeline ranks with a core each here: medians of 19-46 us); a GPU's host runs ahead of
     # its kernels and hides it (0).
     action_gap: float = 0.0
+    # (kernel, forward bytes/s, backward bytes/s) of the kernels a CPU runs slower than its memory moves
+    # (planner/kernels.py: GELU, softmax, a dropout mask's draw, ...), in the cost model's bytes (read and
+    # written; backward twice forward's); every other kernel, and every kernel of a GPU, at memory_bandwidth
+    kernel_rates: tuple[tuple[str, float, float], ...] = ()
     collectives: tuple[CollectiveFit, ...] = field(default=())
     source: str = ""  # where the figures come from
 
@@ -87,6 +91,7 @@ class Hardware:
         object.__setattr__(self, "collectives", fits)
         object.__setattr__(self, "blocking", tuple(self.blocking))
         object.__setattr__(self, "group_sync_waits", tuple((int(n), float(w)) for n, w in self.group_sync_waits))
+        object.__setattr__(self, "kernel_rates", tuple((str(k), float(f), float(b)) for k, f, b in self.kernel_rates))
         for name in ("devices_per_node", "memory_bytes"):
             if getattr(self, name) < 1:
                 raise InputError(f"Hardware.{name}={getattr(self, name)} must be positive")
@@ -137,6 +142,15 @@ class Hardware:
 
     def memory_seconds(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.op_overhead + nbytes / self.memory_bandwidth
+
+    def kernel_seconds(self, kernel: str, nbytes: float, backward: bool = False) -> float:
+        """One elementwise or reduction kernel moving ``nbytes`` in forward (its backward: twice them), at the rate
+        measured for ``kernel`` where there is one (``kernel_rates``), else at the memory bandwidth."""
+        moved = 2 * nbytes if backward else nbytes
+        for name, forward_rate, backward_rate in self.kernel_rates if kernel else ():
+            if name == kernel:
+                return self.op_overhead + moved / (backward_rate if backward else forward_rate)
+        return self.memory_seconds(moved)
 
     def scope(self, span: int) -> str:
         """ "intra" when a group whose ranks lie within ``span`` consecutive ranks fits one node."""

@@ -16,6 +16,7 @@ from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.meta import COST, RECOMPUTE, TP, TP_COMM, evaluate_expr, get_cost, get_layer, get_shape, get_tp
 from autoshard.ir.ops import ALIASING, packet
 from autoshard.ir.placements import Partial
+from autoshard.planner.kernels import kernel_name
 from autoshard.planner.part_times import Comm, Work
 
 __all__ = ["comms", "extract", "held_for_w", "local_params", "recomputed", "works"]
@@ -74,7 +75,8 @@ def works(gm: fx.GraphModule) -> tuple[Work, ...]:
         flops_fwd = cost.flops_fwd if cost is not None else sympy.Integer(0)
         flops_bwd = cost.flops_bwd if cost is not None else sympy.Integer(0)
         weight = passes.weight_grad_split.deferred_weight(gm, node) if dims else None
-        out.append(Work(node.name, flops_fwd, flops_bwd, dims, nbytes, grad, kernel or bool(dims), weight))
+        name = kernel_name(node) if kernel and not dims else ""
+        out.append(Work(node.name, flops_fwd, flops_bwd, dims, nbytes, grad, kernel or bool(dims), weight, name))
     return tuple(out)
 
 

@@ -38,6 +38,7 @@ class Work:
     kernel: bool  # launches a kernel (views and bookkeeping do not)
     # A matmul of a trainable weight (the weight's target): its weight gradient is a split backward's W
     deferred: str | None = None
+    kernel_name: str = ""  # the kernel it runs where the hardware has its own rate for it (planner/kernels.py)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ def part_times(part: PartAtDegree, sizes: dict[str, int], hw: Hardware, dtype: t
                 if w.deferred in tied:
                     tied[w.deferred] += w_seconds
                 deferred_bytes += dims[1] * dims[2] * grad_bytes
+        elif w.kernel_name and hw.kernel_rates:  # a kernel timed on its own (a CPU's GELU, softmax, ...)
+            f = hw.kernel_seconds(w.kernel_name, nbytes)
+            b = hw.kernel_seconds(w.kernel_name, nbytes, backward=True) if w.grad else 0.0
         else:
             f = hw.memory_seconds(nbytes if w.kernel else 0.0)
             b = hw.memory_seconds(2 * nbytes) if w.grad and w.kernel else 0.0

@@ -1360,4 +1360,32 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "between_the_sizes",
     },
+    {
+        "name": "179_a_slow_kernels_backward_at_forwards_bytes",
+        "file": "autoshard/planner/hardware.py",
+        "why": "a kernel with a measured rate costs its backward at forward's bytes: B too short on a CPU",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "measured_rate",
+    },
+    {
+        "name": "180_the_tanh_gelu_timed_as_the_erf_one",
+        "file": "autoshard/planner/kernels.py",
+        "why": "the tanh GELU (4x slower on one core here) is costed at the erf GELU's rate",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "named_by_what",
+    },
+    {
+        "name": "181_slow_kernels_costed_at_the_memory_bandwidth",
+        "file": "autoshard/planner/part_times.py",
+        "why": "the measured kernel rates are ignored in forward: GELU, softmax, dropout masks at a copy's speed",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "measured_rate",
+    },
+    {
+        "name": "182_a_dropout_at_p_0_draws_a_mask",
+        "file": "autoshard/planner/kernels.py",
+        "why": "a dropout that draws nothing (p = 0, or eval) is costed as a mask's draw, 35x a copy on a CPU",
+        "tests": ["tests/test_planner_rules.py"],
+        "k": "named_by_what",
+    },
 ]
