@@ -541,7 +541,6 @@ def _pipeline_vs_torch(rank: int, world_size: int, schedule: str, steps: int, ro
 
     idle: list[float] = []
     windows: list[tuple[float, float, float]] = []  # each step's (start, seconds, busy seconds) on the host's clock
-
     durations: dict[tuple[int, str], list[float]] = {}  # (stage, kind) -> seconds of each action measured
 
     def our_step_measured(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -581,8 +580,9 @@ def _floor_idle(schedule_name: str, ranks: int, results: list[dict[str, Any]], s
     last action), with each action as long as its measured median and each hand-over instant: the planner's
     simulation (autoshard/planner/simulate.py) of ``steps`` steps back to back, each rank starting the next
     where it ended its own (the optimizer step, longer than the ranks end apart, keeps them that far apart);
-    the mean over ranks and the steps after the first. What the measured idle adds to it is the actions'
-    variation (one rank's action running long holds up the next rank) and the ranks' optimizer steps unequal."""
+    the mean over ranks and over the steps after the first two (which fill the pipeline from a common start).
+    What the measured idle adds to it is the actions' variation (one rank's action running long holds up the
+    next rank) and the ranks' optimizer steps unequal."""
     from autoshard.planner.simulate import simulate
 
     measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
@@ -602,7 +602,7 @@ def _floor_idle(schedule_name: str, ranks: int, results: list[dict[str, Any]], s
     idle = []
     for rank, rows in enumerate(timeline):
         n = len(one.ranks[rank])
-        for k in range(2, steps):  # the first steps fill the pipeline from a common start
+        for k in range(2, steps):
             step = rows[k * n : (k + 1) * n]
             window = step[-1][2] - rows[k * n - 1][2]
             idle.append(1 - sum(end - start for _, start, end in step) / window)
