@@ -1384,7 +1384,7 @@ MUTANTS: list[dict] = [
     {
         "name": "182_a_dropout_at_p_0_draws_a_mask",
         "file": "autoshard/planner/kernels.py",
-        "why": "a dropout that draws nothing (p = 0, or eval) is costed as a mask's draw, 35x a copy on a CPU",
+        "why": "a dropout that draws nothing (p = 0, or eval) is costed as a mask's draw, 60x a copy or more on a CPU",
         "tests": ["tests/test_planner_rules.py"],
         "k": "named_by_what",
     },
