@@ -26,7 +26,7 @@ import autoshard
 from autoshard.demo import TinyGPT, next_token_loss
 from autoshard.launch import LocalRanks
 from autoshard.spec.schedule_builders import build_schedule
-from autoshard.spec.schedules import Action, Schedule
+from autoshard.spec.schedules import V_SCHEDULES, Action, Schedule
 
 RESULTS: list[tuple[str, str, str, float, str]] = []
 
@@ -586,7 +586,7 @@ def _floor_idle(schedule_name: str, ranks: int, results: list[dict[str, Any]], s
     from autoshard.planner.simulate import simulate
 
     measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
-    virtual = 2 if schedule_name in ("zbv", "dualpipev") else 1
+    virtual = 2 if schedule_name in V_SCHEDULES else 1
     one = build_schedule(schedule_name, ranks, PIPE["microbatches"], virtual)
     m = one.microbatches
     repeated = tuple(

@@ -301,8 +301,9 @@ def measure(
                            kernel_rates=tuple(rates))  # fmt: skip
         workloads = GPU_WORKLOADS if cuda else WORKLOADS
         work, each_op = scales([workload(device, probe, shared > 0, size) for size in workloads])
+        # each kernel's rates last: (forward, backward) in TIMED's order
         figures = [peak / work, half, bandwidth / work, overhead * each_op, shared, link, host_memory]
-        rates = [(name, ahead / work, back / work) for name, ahead, back in rates]
+        figures += [r / work for _, ahead, back in rates for r in (ahead, back)]
     finally:
         timing.TOGETHER[0] = None
     fits: list[tuple[str, str, int, list[float]]] = []
@@ -332,18 +333,15 @@ def measure(
         local[0] = -local[0]  # the slowest rank's: MAX of the negation
         local[2] = -local[2]
         local[4] = -local[4]
-        local[5:] = -local[5:]  # the host figures: the slowest rank's
-        slowest = torch.tensor([-r for _, *both in rates for r in both], dtype=torch.float64, device=device)
+        local[5:] = -local[5:]  # the host figures and the kernels' rates: the slowest rank's
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        if rates:  # the slowest rank's rate of each kernel
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            rates = [(name, -slowest[2 * i].item(), -slowest[2 * i + 1].item()) for i, (name, *_) in enumerate(rates)]
         figures = [-local[0].item(), local[1].item(), -local[2].item(), local[3].item(), *(-local[4:]).tolist()]
         k = len(_COLLECTIVE_SIZES)
         fits = [(op, scope, n, timings[k * i : k * (i + 1)].tolist()) for i, (op, scope, n, _) in enumerate(fits)]
         waits = [(n, timings[k * len(fits) + i].item()) for i, (n, _) in enumerate(waits)]
-    peak, half, bandwidth, overhead, shared, link, host_memory = figures
+    peak, half, bandwidth, overhead, shared, link, host_memory, *each_rate = figures
+    rates = [(name, each_rate[2 * i], each_rate[2 * i + 1]) for i, (name, *_) in enumerate(rates)]
     if not cuda:
         link = bandwidth
     waits = waits if shared else []  # ranks with cores of their own arrive together

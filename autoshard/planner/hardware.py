@@ -147,7 +147,7 @@ class Hardware:
         """One elementwise or reduction kernel moving ``nbytes`` in forward (its backward: twice them), at the rate
         measured for ``kernel`` where there is one (``kernel_rates``), else at the memory bandwidth."""
         moved = 2 * nbytes if backward else nbytes
-        for name, forward_rate, backward_rate in self.kernel_rates if kernel else ():
+        for name, forward_rate, backward_rate in self.kernel_rates:
             if name == kernel:
                 return self.op_overhead + moved / (backward_rate if backward else forward_rate)
         return self.memory_seconds(moved)

@@ -33,19 +33,11 @@ TIMED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "dropout": lambda x: F.dropout(x, 0.1, training=True),
 }
 
-_BY_OP = {
-    "gelu": "gelu",
-    "silu": "silu",
-    "tanh": "tanh",
-    "sigmoid": "sigmoid",
-    "exp": "exp",
-    "softmax": "softmax",
+# aten ops that run one of them under another name (the rest are TIMED's names themselves)
+_ALIASES = {
     "_softmax": "softmax",
-    "log_softmax": "log_softmax",
     "_log_softmax": "log_softmax",
-    "layer_norm": "layer_norm",
     "native_layer_norm": "layer_norm",
-    "dropout": "dropout",
     "native_dropout": "dropout",
 }
 
@@ -56,7 +48,9 @@ def kernel_name(node: fx.Node) -> str:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return ""
-    name = _BY_OP.get(target.overloadpacket.__name__, "")
+    name = _ALIASES.get(target.overloadpacket.__name__, target.overloadpacket.__name__)
+    if name not in TIMED:
+        return ""
     if name == "gelu" and node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none") == "tanh":
         return "gelu_tanh"
     if name == "dropout":
