@@ -39,7 +39,7 @@ from autoshard.graph_ops import masks as mask_ops
 from autoshard.graph_ops import pipeline, recompute, zero
 from autoshard.graph_ops import tp as tp_ops
 from autoshard.ir.autocast import cast_to, run_dtypes
-from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, get_layer, get_shape
+from autoshard.ir.meta import LAYER, SAVED, SHAPE, NodeSaves, evaluate_expr, get_layer, get_shape
 from autoshard.ir.ops import ALIASING, WRAPPERS, attention_dropout, packet, returns_its_input, runs, storage_root
 from autoshard.sharding.matmul import matmul_dims
 
@@ -103,7 +103,7 @@ class ActivationMemory:
 
 
 def _value(expr: sympy.Expr, sizes: dict[str, int]) -> int:
-    return int(sympy.sympify(expr).subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}))
+    return evaluate_expr(expr, sizes)
 
 
 def _category(node: fx.Node) -> str:

@@ -16,7 +16,7 @@ import autoshard
 from autoshard import passes
 from autoshard.capture import capture
 from autoshard.ir.cost import summarize
-from autoshard.ir.meta import GRAD_BUCKET, SHAPE, get_cost, get_grad_bucket, get_layer, get_shape
+from autoshard.ir.meta import GRAD_BUCKET, SHAPE, evaluate_expr, get_cost, get_grad_bucket, get_layer, get_shape
 
 B, S = sympy.symbols("B S", integer=True, positive=True)
 
@@ -203,3 +203,25 @@ def test_summarize_totals_equal_sum_of_layers(gpt2_small) -> None:
     own_sums = summarize(gpt2_small.graph_modules[0])
     assert dataclasses.replace(own_sums, saved_for_backward=cost.saved_for_backward) == cost
     assert [name for name, _ in cost.saved_for_backward] == ["graph"]
+
+
+_SIZE_EXPR = st.recursive(
+    st.sampled_from([B, S, sympy.Integer(1), sympy.Integer(3), sympy.Integer(64)]),
+    lambda inner: st.one_of(
+        st.tuples(inner, inner).map(lambda ab: ab[0] + ab[1]),
+        st.tuples(inner, inner).map(lambda ab: ab[0] * ab[1]),
+        st.tuples(inner, inner).map(lambda ab: sympy.Max(ab[0], ab[1])),
+        st.tuples(inner, st.integers(1, 7)).map(lambda ab: sympy.floor(ab[0] / ab[1])),
+        st.tuples(inner, st.integers(1, 7)).map(lambda ab: sympy.ceiling(ab[0] / ab[1])),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(expr=_SIZE_EXPR, b=st.one_of(st.integers(1, 64), st.sampled_from([0.25, 0.5, 1.5])), s=st.integers(1, 4096))
+def test_evaluate_expr_agrees_with_sympy_substitution(expr: sympy.Expr, b: float, s: int) -> None:
+    """Sizes evaluate by swapping the symbols for their values (xreplace, for speed): the same integer as
+    sympy's own substitution, through sums, products, Max and floor or ceiling divisions, and for the
+    fractional rows the planner evaluates at (a share of a row)."""
+    assert evaluate_expr(expr, {"B": b, "S": s}) == int(expr.subs({B: b, S: s}))

@@ -1388,4 +1388,11 @@ MUTANTS: list[dict] = [
         "tests": ["tests/test_planner_rules.py"],
         "k": "named_by_what",
     },
+    {
+        "name": "183_a_fractional_size_truncated_to_an_integer",
+        "file": "autoshard/ir/meta.py",
+        "why": "a size evaluated at a share of a row (B = 0.5) truncates it to 0: the planner's bytes per row vanish",
+        "tests": ["tests/test_passes.py"],
+        "k": "evaluate_expr",
+    },
 ]
