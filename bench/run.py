@@ -575,17 +575,24 @@ class _MeasuredStage:
     weight_grad: float
 
 
-def _floor_idle(schedule_name: str, ranks: int, results: list[dict[str, Any]], steps: int = 6) -> float:
+def _floor_idle(
+    schedule_name: str, ranks: int, results: list[dict[str, Any]], steps: int = 6, alike: bool = False
+) -> float:
     """The schedule's own idle fraction per rank, as measured (each rank's window from its step's start to its
     last action), with each action as long as its measured median and each hand-over instant: the planner's
     simulation (autoshard/planner/simulate.py) of ``steps`` steps back to back, each rank starting the next
     where it ended its own (the optimizer step, longer than the ranks end apart, keeps them that far apart);
     the mean over ranks and over the steps after the first two (which fill the pipeline from a common start).
     What the measured idle adds to it is the actions' variation (one rank's action running long holds up the
-    next rank) and the ranks' optimizer steps unequal."""
+    next rank) and the ranks' optimizer steps unequal. ``alike``: every stage as long as the stages' mean of
+    each kind, which leaves out the ranks' cores running at unequal speeds: the schedule's bound at this
+    machine's ratio of W to F."""
     from autoshard.planner.simulate import simulate
 
     measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
+    if alike:
+        mean = {kind: statistics.mean(t for (_, k), t in measured.items() if k == kind) for _, kind in measured}
+        measured = {(stage, kind): mean[kind] for stage, kind in measured}
     virtual = 2 if schedule_name in V_SCHEDULES else 1
     one = build_schedule(schedule_name, ranks, PIPE["microbatches"], virtual)
     m = one.microbatches
@@ -715,6 +722,7 @@ def bench_zero_bubble() -> None:
                 results[schedule] = pool.run(_pipeline_vs_torch, schedule, steps=3, rounds=3)
         idle = {s: statistics.mean(r["idle"] for r in results[s]) for s in results}
         floor = {s: _floor_idle(s, ranks, results[s]) for s in results}
+        alike = {s: _floor_idle(s, ranks, results[s], alike=True) for s in results}
         common = {s: _common_idle(results[s]) for s in results}
         step = {
             (s, who): statistics.median(t for r in results[s] for t in r["timings"][who])
@@ -743,6 +751,17 @@ def bench_zero_bubble() -> None:
                 f"{floor[schedule]:.3f}",
                 f"1f1b {floor['1f1b']:.3f}",
                 floor[schedule] / floor["1f1b"],
+                "reported",
+            )
+            kinds = {k: statistics.mean(t for r in results[schedule] for (_, kind), t in r["durations"].items()
+                                        if kind == k) for k in "FBW"}  # fmt: skip
+            report(
+                f"pp={ranks} m={m}: the schedule's own idle fraction with every stage alike (the stages' mean F, B, W "
+                f"measured: {kinds['F'] * 1e3:.1f}, {kinds['B'] * 1e3:.1f}, {kinds['W'] * 1e3:.1f} ms, W / F "
+                f"{kinds['W'] / kinds['F']:.2f}), {schedule} vs 1f1b: the bound at this machine's W / F",
+                f"{alike[schedule]:.3f}",
+                f"1f1b {alike['1f1b']:.3f}",
+                alike[schedule] / alike["1f1b"],
                 "reported",
             )
             report(
