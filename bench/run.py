@@ -591,7 +591,8 @@ def _floor_idle(
 
     measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
     if alike:
-        mean = {kind: statistics.mean(t for (_, k), t in measured.items() if k == kind) for _, kind in measured}
+        kinds = {kind for _, kind in measured}
+        mean = {kind: statistics.mean(t for (_, k), t in measured.items() if k == kind) for kind in kinds}
         measured = {(stage, kind): mean[kind] for stage, kind in measured}
     virtual = 2 if schedule_name in V_SCHEDULES else 1
     one = build_schedule(schedule_name, ranks, PIPE["microbatches"], virtual)
