@@ -132,7 +132,7 @@ PRODUCERS = {
 }
 
 
-def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
+def evaluate_expr(expr: sympy.Expr | int, sizes: dict[str, int | float]) -> int:
     """Evaluate a size expression for concrete symbol values (``{"B": 8, "S": 128}``)."""
     expr = sympy.sympify(expr)
     free = {s.name for s in expr.free_symbols}
