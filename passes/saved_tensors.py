@@ -81,7 +81,7 @@ class LayerActivations:
 
     def evaluate(self, **sizes: int) -> dict[str, int]:
         """Bytes per category at these sizes."""
-        return {category: _value(expr, sizes) for category, expr in self.by_category.items()}
+        return {category: evaluate_expr(expr, sizes) for category, expr in self.by_category.items()}
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,8 @@ class ActivationMemory:
 
     def evaluate(self, **sizes: int) -> dict[str, int]:
         """Bytes per layer, "kept" and "transient", at these sizes (e.g. B=4, S=512)."""
-        out = {layer.layer: _value(layer.total, sizes) for layer in self.layers}
-        return {**out, "kept": _value(self.kept, sizes), "transient": _value(self.transient, sizes)}
-
-
-def _value(expr: sympy.Expr, sizes: dict[str, int]) -> int:
-    return evaluate_expr(expr, sizes)
+        out = {layer.layer: evaluate_expr(layer.total, sizes) for layer in self.layers}
+        return {**out, "kept": evaluate_expr(self.kept, sizes), "transient": evaluate_expr(self.transient, sizes)}
 
 
 def _category(node: fx.Node) -> str:
@@ -141,9 +137,9 @@ def _probe_value(arg: Any, dtype: torch.dtype | None = None) -> Any:
         return arg
     shape = get_shape(arg)
     if shape.scalar is not None:
-        return _value(shape.scalar, PROBE)
+        return evaluate_expr(shape.scalar, PROBE)
     t = shape.tensor
-    sizes = [_value(s, PROBE) for s in t.sizes]
+    sizes = [evaluate_expr(s, PROBE) for s in t.sizes]
     grad = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
     dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
     return torch.empty(sizes, dtype=dtype, device="meta", requires_grad=grad)
@@ -153,9 +149,9 @@ def _dims_back(concrete: tuple[int, ...], known: list[sympy.Expr]) -> sympy.Expr
     """Bytes-free numel of a tensor the op made, its sizes mapped back through the probe to expressions."""
     table: dict[int, sympy.Expr] = {}
     for a, b in itertools.product(known, repeat=2):
-        table.setdefault(_value(a * b, PROBE), a * b)
+        table.setdefault(evaluate_expr(a * b, PROBE), a * b)
     for a in known:
-        table[_value(a, PROBE)] = a
+        table[evaluate_expr(a, PROBE)] = a
     return sympy.Mul(*(table.get(d, sympy.Integer(d)) for d in concrete))
 
 
