@@ -575,6 +575,18 @@ class _MeasuredStage:
     weight_grad: float
 
 
+def _medians(results: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """Every stage's median seconds of each action kind, (stage, kind) -> seconds, over the ranks' results."""
+    return {key: seconds for r in results for key, seconds in r["durations"].items()}
+
+
+def _kind_means(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Each action kind's median seconds, the mean over the stages."""
+    measured = _medians(results)
+    kinds = {kind for _, kind in measured}
+    return {kind: statistics.mean(t for (_, k), t in measured.items() if k == kind) for kind in kinds}
+
+
 def _floor_idle(
     schedule_name: str, ranks: int, results: list[dict[str, Any]], steps: int = 6, alike: bool = False
 ) -> float:
@@ -589,10 +601,9 @@ def _floor_idle(
     machine's ratio of W to F."""
     from autoshard.planner.simulate import simulate
 
-    measured = {key: seconds for r in results for key, seconds in r["durations"].items()}
+    measured = _medians(results)
     if alike:
-        kinds = {kind for _, kind in measured}
-        mean = {kind: statistics.mean(t for (_, k), t in measured.items() if k == kind) for kind in kinds}
+        mean = _kind_means(results)
         measured = {(stage, kind): mean[kind] for stage, kind in measured}
     virtual = 2 if schedule_name in V_SCHEDULES else 1
     one = build_schedule(schedule_name, ranks, PIPE["microbatches"], virtual)
@@ -754,8 +765,7 @@ def bench_zero_bubble() -> None:
                 floor[schedule] / floor["1f1b"],
                 "reported",
             )
-            kinds = {k: statistics.mean(t for r in results[schedule] for (_, kind), t in r["durations"].items()
-                                        if kind == k) for k in "FBW"}  # fmt: skip
+            kinds = _kind_means(results[schedule])
             report(
                 f"pp={ranks} m={m}: the schedule's own idle fraction with every stage alike (the stages' mean F, B, W "
                 f"measured: {kinds['F'] * 1e3:.1f}, {kinds['B'] * 1e3:.1f}, {kinds['W'] * 1e3:.1f} ms, W / F "
